@@ -1,0 +1,1 @@
+"""EQuARX serve."""

@@ -1,0 +1,151 @@
+"""Unquantized and naive baselines on the same pipelined ring as EQuARX.
+
+`ring`       the EQuARX schedule with the input dtype on the wire (16 bits for bf16/f16), sent
+             as raw bits (CPU XLA would otherwise widen 16-bit collectives to f32), partial sums
+             accumulated in f32: isolates what quantization buys.
+`naive-int8` the strawman: one scale for a whole message, the running partial sum re-quantized
+             at every hop of a plain ring and accumulated in the input dtype: shows what
+             block-wise scales and f32 accumulation buy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from equarx_serve.collectives.base import AllReduce, check_float_dtype, register_all_reduce
+from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce
+from equarx_serve.kernels.block_quantize import FLOAT32_TINY, INT8_MAX
+
+_RAW_BITS = {2: jnp.uint16, 4: jnp.uint32}
+_LANE_BLOCK = 256  # elements per row of a lane; no scales, so only a layout choice
+
+
+@dataclasses.dataclass(frozen=True)
+class RawBitsCodec:
+    """The values in `wire_dtype`, bit-cast to an unsigned int of the same width."""
+
+    wire_dtype: jnp.dtype
+
+    def encode(self, local: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(local.astype(self.wire_dtype), _RAW_BITS[self.itemsize])
+
+    def accumulate_encode(self, local: jax.Array, received: tuple) -> jax.Array:
+        acc = local.astype(jnp.float32)
+        for payload in received:
+            acc = acc + self.decode(payload)
+        return self.encode(acc)
+
+    def decode(self, payload: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(payload, self.wire_dtype).astype(jnp.float32)
+
+    @property
+    def itemsize(self) -> int:
+        return jnp.dtype(self.wire_dtype).itemsize
+
+
+@register_all_reduce
+@dataclasses.dataclass(frozen=True)
+class Ring(AllReduce):
+    """Pipelined ring all-reduce with unquantized payloads in the input dtype."""
+
+    name: ClassVar[str] = "ring"
+
+    schedule: Literal["ring", "two-shot"] = "two-shot"
+    bidirectional: bool = True
+    num_slices: int = 2
+
+    def __post_init__(self):
+        if self.schedule not in ("ring", "two-shot"):
+            raise ValueError(f"schedule must be 'ring' or 'two-shot', got {self.schedule!r}")
+        if not isinstance(self.bidirectional, bool):
+            raise ValueError(f"bidirectional must be a bool, got {self.bidirectional!r}")
+        if not isinstance(self.num_slices, int) or self.num_slices < 1:
+            raise ValueError(f"num_slices must be an int >= 1, got {self.num_slices!r}")
+
+    def _layout(self, size: int, axis_size: int) -> LaneLayout:
+        return LaneLayout.create(
+            size,
+            axis_size,
+            directions=2 if self.bidirectional else 1,
+            num_slices=self.num_slices,
+            block_size=_LANE_BLOCK,
+        )
+
+    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        check_float_dtype(x, self.name)
+        layout = self._layout(x.size, axis_size)
+        with jax.named_scope(f"ring_{self.schedule}"):
+            reduced = pipelined_all_reduce(
+                layout.to_lanes(x),
+                axis_name,
+                RawBitsCodec(x.dtype),
+                schedule=self.schedule,
+                out_dtype=x.dtype,
+            )
+        return layout.from_lanes(reduced, x.shape)
+
+    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
+        if axis_size == 1:
+            return 0
+        per_chunk = self._layout(num_elements, axis_size).padded_size // axis_size
+        return 2 * (axis_size - 1) * per_chunk * jnp.dtype(dtype).itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTensorInt8Codec:
+    """int8 values with one f32 scale for the whole message; sums in `accumulate_dtype`."""
+
+    accumulate_dtype: jnp.dtype
+
+    def encode(self, local: jax.Array) -> tuple[jax.Array, jax.Array]:
+        values = local.astype(jnp.float32)
+        scale = jnp.maximum(jnp.max(jnp.abs(values)) / INT8_MAX, FLOAT32_TINY)
+        q = jnp.clip(jnp.round(values / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+        return q, scale
+
+    def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple[jax.Array, jax.Array]:
+        acc = local.astype(self.accumulate_dtype)
+        for payload in received:
+            acc = acc + self.decode(payload).astype(self.accumulate_dtype)
+        return self.encode(acc)
+
+    def decode(self, payload: tuple[jax.Array, jax.Array]) -> jax.Array:
+        q, scale = payload
+        return q.astype(jnp.float32) * scale
+
+
+@register_all_reduce
+@dataclasses.dataclass(frozen=True)
+class NaiveInt8(AllReduce):
+    """Per-tensor-scale int8 ring, re-quantized and summed in the input dtype at every hop."""
+
+    name: ClassVar[str] = "naive-int8"
+
+    def _layout(self, size: int, axis_size: int) -> LaneLayout:
+        return LaneLayout.create(
+            size, axis_size, directions=1, num_slices=1, block_size=_LANE_BLOCK
+        )
+
+    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        check_float_dtype(x, self.name)
+        layout = self._layout(x.size, axis_size)
+        with jax.named_scope("naive_int8_ring"):
+            reduced = pipelined_all_reduce(
+                layout.to_lanes(x),
+                axis_name,
+                PerTensorInt8Codec(x.dtype),
+                schedule="ring",
+                out_dtype=x.dtype,
+            )
+        return layout.from_lanes(reduced, x.shape)
+
+    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
+        if axis_size == 1:
+            return 0
+        per_chunk = self._layout(num_elements, axis_size).padded_size // axis_size
+        return 2 * (axis_size - 1) * (per_chunk + 4)

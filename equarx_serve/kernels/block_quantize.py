@@ -1,0 +1,145 @@
+"""Block-wise int8 quantization with fused dequantize-accumulate, as a Pallas kernel.
+
+Data is laid out as rows of one quantization block each: `[rows, block_size]`. Every row gets
+one f32 scale (symmetric absmax):
+
+    scale = max(absmax(row) / 127, FLOAT32_TINY)      # the floor keeps zero rows finite
+    q     = clip(round(row / scale), -127, 127)        # round half to even
+    row  ~= q * scale
+
+`accumulate_quantize` is the one step of every quantized all-reduce hop, fused so that the f32
+sum never leaves registers/VMEM:
+
+    acc = float32(local) + sum_k dequantize(q_k, scale_k)       # K received payloads, in order
+    return quantize(acc)
+
+Non-finite values: the int8 code -128 (outside the [-127, 127] range used for numbers) marks an
+element that was NaN or +-Inf. It is excluded from the row's absmax, so it does not spoil its
+neighbours, and dequantizes to NaN, so it can never turn into a finite number downstream.
+
+Cost per row of B elements, K received payloads, input itemsize s:
+  bytes read  B*s + K*(B + 4), bytes written B + 4;
+  FLOPs about (3 + 2K) * B (dequantize-add, absmax, scale, round) plus one divide.
+
+Block shapes: a grid over row tiles of `block_rows` rows (a power of two in [32, 512], or all
+rows when there are at most 32), each `[block_rows, block_size]`, with scales `[block_rows, 1]`.
+32 rows is the int8 sublane tile on TPU; powers of two keep the Triton (GPU) lowering legal.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+INT8_MAX = 127
+NONFINITE_CODE = -128
+FLOAT32_TINY = float(jnp.finfo(jnp.float32).tiny)
+MIN_ROW_TILE = 32  # int8 sublane tiling on TPU
+MAX_ROW_TILE = 512  # 512 x 256 f32 accumulator = 512 KiB of VMEM
+
+
+def padded_rows(rows: int) -> int:
+    """The row count to pad a buffer to so that `row_tile` divides it (waste < 32 rows)."""
+    if rows <= MIN_ROW_TILE:
+        return 1 << (rows - 1).bit_length()
+    return -(-rows // MIN_ROW_TILE) * MIN_ROW_TILE
+
+
+def row_tile(rows: int) -> int:
+    """The largest power-of-two tile in [32, 512] that divides `rows` (all rows if <= 32)."""
+    if rows <= MIN_ROW_TILE:
+        return rows
+    tile = MAX_ROW_TILE
+    while rows % tile:
+        tile //= 2
+    if tile < MIN_ROW_TILE:
+        raise ValueError(f"rows must be <= {MIN_ROW_TILE} or a multiple of it, got {rows}")
+    return tile
+
+
+# --- the math, shared by the kernel body and the reference ----------------------------------
+
+
+def _quantize_rows(acc: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """f32 [R, B] -> (int8 [R, B], f32 scales [R, 1])."""
+    finite = jnp.isfinite(acc)
+    absmax = jnp.max(jnp.where(finite, jnp.abs(acc), 0.0), axis=-1, keepdims=True)
+    scale = jnp.maximum(absmax / INT8_MAX, FLOAT32_TINY)
+    q = jnp.clip(jnp.round(acc * (1.0 / scale)), -INT8_MAX, INT8_MAX)
+    q = jnp.where(finite, q, NONFINITE_CODE).astype(jnp.int8)
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """(int8 [..., R, B], f32 [..., R, 1]) -> f32 [..., R, B]; the non-finite code gives NaN."""
+    values = q.astype(jnp.float32) * scale
+    return jnp.where(q == NONFINITE_CODE, jnp.nan, values)
+
+
+Payload = tuple[jax.Array, jax.Array]  # (int8 [R, B], f32 scales [R, 1])
+
+
+def accumulate_quantize_reference(
+    local: jax.Array, received: tuple[Payload, ...] = ()
+) -> Payload:
+    """Pure-jnp reference: local [R, B] (any float dtype) plus K received payloads."""
+    acc = local.astype(jnp.float32)
+    for q, scale in received:
+        acc = acc + dequantize(q, scale)
+    return _quantize_rows(acc)
+
+
+# --- the Pallas kernel ----------------------------------------------------------------------
+
+
+def _accumulate_quantize_kernel(local_ref, *refs, num_received: int):
+    received_refs, (q_ref, scale_ref) = refs[: 2 * num_received], refs[2 * num_received :]
+    acc = local_ref[...].astype(jnp.float32)  # [TR, B]
+    for k in range(num_received):
+        acc = acc + dequantize(received_refs[2 * k][...], received_refs[2 * k + 1][...])
+    q, scale = _quantize_rows(acc)
+    q_ref[...] = q
+    scale_ref[...] = scale
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def accumulate_quantize(
+    local: jax.Array, received: tuple[Payload, ...] = (), *, interpret: bool = False
+) -> Payload:
+    """Pallas version of `accumulate_quantize_reference` (same arguments, same bits).
+
+    local: [R, B] float32/bfloat16/float16; received: K pairs (int8 [R, B], float32 [R, 1]).
+    R must be <= 32 or a multiple of 32 (see `padded_rows`). Returns (int8 [R, B], f32 [R, 1]).
+    """
+    if local.ndim != 2:
+        raise ValueError(f"local must be [rows, block_size], got shape {local.shape}")
+    rows, block = local.shape
+    for q, scale in received:
+        if q.shape != (rows, block) or q.dtype != jnp.int8:
+            raise ValueError(f"received q must be int8 {(rows, block)}, got {q.dtype} {q.shape}")
+        if scale.shape != (rows, 1) or scale.dtype != jnp.float32:
+            raise ValueError(f"received scale must be float32 {(rows, 1)}, got {scale.dtype} {scale.shape}")
+    tile = row_tile(rows)
+    varying = jax.typeof(local).mat
+    values_spec = pl.BlockSpec((tile, block), lambda i: (i, 0))
+    scales_spec = pl.BlockSpec((tile, 1), lambda i: (i, 0))
+    return tuple(
+        pl.pallas_call(
+            functools.partial(_accumulate_quantize_kernel, num_received=len(received)),
+            grid=(rows // tile,),
+            in_specs=[values_spec] + [values_spec, scales_spec] * len(received),
+            out_specs=[values_spec, scales_spec],
+            out_shape=[
+                # Inside shard_map the outputs vary over the same mesh axes as `local`.
+                jax.ShapeDtypeStruct((rows, block), jnp.int8, manual_axis_type=varying),
+                jax.ShapeDtypeStruct((rows, 1), jnp.float32, manual_axis_type=varying),
+            ],
+            # TPU interpret mode: unlike the generic one, it runs inside shard_map with check_vma.
+            interpret=pltpu.InterpretParams() if interpret else False,
+            name="equarx_accumulate_quantize",
+        )(local, *[a for pair in received for a in pair])
+    )

@@ -1,0 +1,103 @@
+"""Running one program as several JAX processes: on one host (local) or across hosts.
+
+Every process calls `initialize` with the same coordinator address and process count and its
+own id; on CPU the cross-process collectives go through gloo (a real transport). For local
+runs, `run_local_processes` starts N copies of a command on 127.0.0.1, appends those three
+flags to each, and collects their output; when one fails, it stops the others and raises with
+the failing process's stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+
+
+def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
+    """`jax.distributed.initialize`, with gloo for cross-process collectives on CPU."""
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def add_process_flags(parser) -> None:
+    """The flags `initialize` needs, for an argparse parser (the same on one host or many)."""
+    parser.add_argument("--coordinator", help="host:port of process 0's coordinator")
+    parser.add_argument("--num-processes", type=int, default=1)
+    parser.add_argument("--process-id", type=int, default=0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class ProcessOutput:
+    process_id: int
+    stdout: str
+    stderr: str
+
+
+def run_local_processes(
+    command: Sequence[str],
+    num_processes: int,
+    *,
+    timeout_s: float,
+    env: dict[str, str] | None = None,
+) -> list[ProcessOutput]:
+    """Runs `command` as `num_processes` cooperating JAX processes on this host."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    child_env = {**os.environ, **(env or {})}
+    # One device per process; the host-device-count flag is for single-process runs only.
+    xla_flags = child_env.get("XLA_FLAGS", "").split()
+    child_env["XLA_FLAGS"] = " ".join(
+        f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")
+    )
+    procs = [
+        subprocess.Popen(
+            [*command, "--coordinator", coordinator, "--num-processes", str(num_processes),
+             "--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env,
+        )
+        for i in range(num_processes)
+    ]
+    deadline = time.monotonic() + timeout_s
+    outputs: dict[int, ProcessOutput] = {}
+    try:
+        while len(outputs) < num_processes:
+            for i, proc in enumerate(procs):
+                if i in outputs or proc.poll() is None:
+                    continue
+                stdout, stderr = proc.communicate()
+                outputs[i] = ProcessOutput(i, stdout, stderr)
+                if proc.returncode != 0:
+                    raise RuntimeError(
+                        f"process {i} of {num_processes} ({' '.join(command)}) exited with "
+                        f"{proc.returncode}:\n{stderr[-4000:]}"
+                    )
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{num_processes} processes did not finish in {timeout_s:.0f}s")
+            time.sleep(0.05)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [outputs[i] for i in range(num_processes)]
+
+
+def python_module_command(module: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", module, *args]
