@@ -99,7 +99,9 @@ def register_all_reduce(cls: type[AllReduce]) -> type[AllReduce]:
     if not (isinstance(cls, type) and issubclass(cls, AllReduce)):
         raise TypeError(f"register_all_reduce takes an AllReduce subclass, got {cls!r}")
     if not dataclasses.is_dataclass(cls) or "name" not in vars(cls):
-        raise TypeError(f"{cls.__name__} must be a frozen dataclass that sets `name: ClassVar[str]`")
+        raise TypeError(
+            f"{cls.__name__} must be a frozen dataclass that sets `name: ClassVar[str]`"
+        )
     if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
         raise ValueError(f"an all-reduce named {cls.name!r} is already registered")
     _REGISTRY[cls.name] = cls

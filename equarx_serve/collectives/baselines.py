@@ -31,17 +31,20 @@ class RawBitsCodec:
 
     wire_dtype: jnp.dtype
 
-    def encode(self, local: jax.Array) -> jax.Array:
-        return lax.bitcast_convert_type(local.astype(self.wire_dtype), _RAW_BITS[self.itemsize])
+    def _encode(self, values: jax.Array) -> jax.Array:
+        return lax.bitcast_convert_type(values.astype(self.wire_dtype), _RAW_BITS[self.itemsize])
+
+    def encode_chunk(self, lane: jax.Array, index: jax.Array) -> jax.Array:
+        return self._encode(lax.dynamic_index_in_dim(lane, index, 0, keepdims=False))
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> jax.Array:
         acc = local.astype(jnp.float32)
         for payload in received:
-            acc = acc + self.decode(payload)
-        return self.encode(acc)
+            acc = acc + self.decode(payload, jnp.float32)
+        return self._encode(acc)
 
-    def decode(self, payload: jax.Array) -> jax.Array:
-        return lax.bitcast_convert_type(payload, self.wire_dtype).astype(jnp.float32)
+    def decode(self, payload: jax.Array, dtype: jnp.dtype) -> jax.Array:
+        return lax.bitcast_convert_type(payload, self.wire_dtype).astype(dtype)
 
     @property
     def itemsize(self) -> int:
@@ -102,21 +105,24 @@ class PerTensorInt8Codec:
 
     accumulate_dtype: jnp.dtype
 
-    def encode(self, local: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return self._encode(lax.dynamic_index_in_dim(lane, index, 0, keepdims=False))
+
+    def _encode(self, local: jax.Array) -> tuple[jax.Array, jax.Array]:
         values = local.astype(jnp.float32)
-        scale = jnp.maximum(jnp.max(jnp.abs(values)) / INT8_MAX, FLOAT32_TINY)
+        scale = jnp.maximum(jnp.max(jnp.abs(values), keepdims=True) / INT8_MAX, FLOAT32_TINY)
         q = jnp.clip(jnp.round(values / scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
         return q, scale
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple[jax.Array, jax.Array]:
         acc = local.astype(self.accumulate_dtype)
         for payload in received:
-            acc = acc + self.decode(payload).astype(self.accumulate_dtype)
-        return self.encode(acc)
+            acc = acc + self.decode(payload, self.accumulate_dtype)
+        return self._encode(acc)
 
-    def decode(self, payload: tuple[jax.Array, jax.Array]) -> jax.Array:
+    def decode(self, payload: tuple[jax.Array, jax.Array], dtype: jnp.dtype) -> jax.Array:
         q, scale = payload
-        return q.astype(jnp.float32) * scale
+        return (q.astype(jnp.float32) * scale).astype(dtype)
 
 
 @register_all_reduce

@@ -38,6 +38,7 @@ from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from equarx_serve.collectives.base import AllReduce, check_float_dtype, register_all_reduce
 from equarx_serve.collectives.hadamard import block_hadamard
@@ -69,17 +70,26 @@ class BlockInt8Codec:
                 flat_local, flat_received, interpret=self.interpret
             )
         else:
-            q, s = block_quantize.accumulate_quantize_reference(flat_local, flat_received)
+            q, s = block_quantize.accumulate_quantize_xla(flat_local, flat_received)
         return q.reshape(*lead, rows, block), s.reshape(*lead, rows, 1)
 
-    def encode(self, local: jax.Array) -> tuple:
-        return self._accumulate_quantize(local, ())
+    def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple:
+        if self.use_pallas:
+            return self._accumulate_quantize(_take_chunk(lane, index), ())
+        # XLA:CPU: the row absmax straight off the whole lane (a reduction over a materialized
+        # array is fast; over a sliced chunk it would first copy the chunk out).
+        absmax = block_quantize.row_absmax_xla(lane)
+        return block_quantize.quantize_xla(_take_chunk(lane, index), _take_chunk(absmax, index))
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple:
         return self._accumulate_quantize(local, received)
 
-    def decode(self, payload: tuple) -> jax.Array:
-        return block_quantize.dequantize(*payload)
+    def decode(self, payload: tuple, dtype: jnp.dtype) -> jax.Array:
+        return block_quantize.dequantize(*payload).astype(dtype)
+
+
+def _take_chunk(lane: jax.Array, index: jax.Array) -> jax.Array:
+    return lax.dynamic_index_in_dim(lane, index, 0, keepdims=False)
 
 
 @register_all_reduce

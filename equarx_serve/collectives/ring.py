@@ -36,14 +36,14 @@ Payload = Any  # a pytree of arrays: what one hop puts on the wire
 class Codec(Protocol):
     """What travels on the wire, and how partial sums are combined."""
 
-    def encode(self, local: jax.Array) -> Payload:
-        """[..., R, B] contribution -> payload."""
+    def encode_chunk(self, lane: jax.Array, index: jax.Array) -> Payload:
+        """Chunk `index` (traced) of a lane [N, R, B] -> its payload."""
 
     def accumulate_encode(self, local: jax.Array, received: tuple[Payload, ...]) -> Payload:
-        """Encode local + sum(decode(received)) (accumulating as the codec defines)."""
+        """Encode local [R, B] + sum(decode(received)), accumulating as the codec defines."""
 
-    def decode(self, payload: Payload) -> jax.Array:
-        """payload -> [..., R, B] f32."""
+    def decode(self, payload: Payload, dtype: jnp.dtype) -> jax.Array:
+        """payload [..., R, B] -> values [..., R, B] in `dtype`."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +117,7 @@ def pipelined_all_reduce(
     if schedule == "ring":
         with jax.named_scope("ring_reduce_scatter"):
             for key in keys:
-                local_chunk = _take(lanes[key], index)
-                payload[key] = codec.encode(local_chunk)
+                payload[key] = codec.encode_chunk(lanes[key], index)
             for step in range(1, n):
                 for key in keys:
                     dr = direction[key]
@@ -129,12 +128,11 @@ def pipelined_all_reduce(
                 owned[key] = (index + direction[key]) % n
     elif schedule == "two-shot":
         with jax.named_scope("two_shot_reduce_scatter"):
-            encoded = {key: codec.encode(lanes[key]) for key in keys}
             received: dict[tuple[int, int], list[Payload]] = {key: [] for key in keys}
             for shift in range(1, n):
                 for key in keys:
                     dr = direction[key]
-                    outgoing = _take(encoded[key], (index + dr * shift) % n)
+                    outgoing = codec.encode_chunk(lanes[key], (index + dr * shift) % n)
                     received[key].append(
                         lax.ppermute(outgoing, axis_name, _shift_perm(n, dr * shift))
                     )
@@ -147,26 +145,37 @@ def pipelined_all_reduce(
         raise ValueError(f"unknown schedule {schedule!r}; valid: 'ring', 'two-shot'")
 
     # All-gather: forward the owners' payloads unchanged; everyone decodes the same bytes.
+    # Payloads are kept in arrival order; one gather puts them in place and decodes them in a
+    # single pass (no zero-filled buffer, no per-chunk copies).
     with jax.named_scope("ring_all_gather"):
-        out = {
-            key: lax.dynamic_update_index_in_dim(
-                jnp.zeros(lanes.shape[2:], out_dtype),
-                codec.decode(payload[key]).astype(out_dtype),
-                owned[key],
-                0,
-            )
-            for key in keys
-        }
+        arrived = {key: [payload[key]] for key in keys}
         for step in range(1, n):
             for key in keys:
-                dr = direction[key]
-                payload[key] = lax.ppermute(payload[key], axis_name, _shift_perm(n, dr))
-                out[key] = lax.dynamic_update_index_in_dim(
-                    out[key],
-                    codec.decode(payload[key]).astype(out_dtype),
-                    (owned[key] - dr * step) % n,
-                    0,
+                forwarded = lax.ppermute(
+                    arrived[key][-1], axis_name, _shift_perm(n, direction[key])
                 )
-    return jnp.stack(
-        [jnp.stack([out[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
-    )
+                arrived[key].append(forwarded)
+        # The payload that arrived at step k is chunk owned - dir*k, so chunk p arrived at step
+        # dir * (owned - p) mod N.
+        arrival_step = jnp.stack(
+            [
+                jnp.stack(
+                    [
+                        direction[(d, s)] * (owned[(d, s)] - jnp.arange(n)) % n
+                        for s in range(num_slices)
+                    ]
+                )
+                for d in range(num_dirs)
+            ]
+        )  # [D, S, N]
+        stacked = jax.tree.map(
+            lambda *chunks: jnp.stack(chunks).reshape(num_dirs, num_slices, n, *chunks[0].shape),
+            *[payload_k for key in keys for payload_k in arrived[key]],
+        )  # leaves [D, S, N(arrival), R, ...]
+        in_place = jax.tree.map(
+            lambda a: jnp.take_along_axis(
+                a, arrival_step.reshape(arrival_step.shape + (1,) * (a.ndim - 3)), axis=2
+            ),
+            stacked,
+        )
+        return codec.decode(in_place, out_dtype)
