@@ -15,8 +15,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/equarx-serve demo
 
+# pytest's exit code 5 (no tests collected) means a broken set-up: it fails like any other.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	@$(PY) -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests: the set-up is broken" >&2; fi; \
+	exit $$rc
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
