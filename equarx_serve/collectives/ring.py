@@ -149,7 +149,7 @@ def pipelined_all_reduce(
     # single pass (no zero-filled buffer, no per-chunk copies).
     with jax.named_scope("ring_all_gather"):
         arrived = {key: [payload[key]] for key in keys}
-        for step in range(1, n):
+        for _ in range(1, n):
             for key in keys:
                 forwarded = lax.ppermute(
                     arrived[key][-1], axis_name, _shift_perm(n, direction[key])

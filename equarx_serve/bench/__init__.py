@@ -1,0 +1,1 @@
+"""Benchmarks behind `equarx-serve bench` (see `allreduce.py`)."""

@@ -1,0 +1,404 @@
+"""`equarx-serve bench allreduce`: all-reduce methods side by side, per mesh and message size.
+
+For every mesh, `--devices N` (one process, N host CPU devices) or `--processes N` (N local
+processes, one CPU device each, jax.distributed over gloo), and every message size, one worker
+run (`allreduce_worker.py`, which documents exactly what is timed) measures all methods, in a
+fresh child process so that the device count can be set before JAX starts. Reported per row:
+
+  median ms     of the timed calls (p10 and p90 in the JSON), the slowest process's time
+  speed-up      the baseline's median / this method's median, where the BASELINE is the
+                fastest unquantized method at that mesh and size: the lowest median among the
+                measured methods whose name does not contain "int8" (psum, psum-f32, ring);
+                no speed-up when no such method was measured
+  wire MiB      bytes each device sends, counted from the compiled program's HLO
+                (`hlo_bytes.py`); flagged when it differs from the method's `wire_bytes` formula
+  bytes ratio   wire bytes / the baseline's wire bytes
+  rel RMS, max  the output against an f32 all-reduce with an f32 output, over all devices:
+                ||y - ref|| / ||ref|| and max |y - ref|
+  identical     whether every device's output has the same bits
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+DEFAULT_SIZES = ("64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB")
+WORKER_TIMEOUT_S = 1800.0
+BF16_BYTES = 2
+
+_UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
+_SIZE = re.compile(r"(?P<count>\d+)\s*(?P<unit>[kmg]ib)?", re.IGNORECASE)
+
+
+class UsageError(Exception):
+    """A bad command line, reported as a usage error (exit code 2) without a traceback."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from `65536`, `64KiB`, `16MiB` or `1GiB` (a whole number of bf16 elements)."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise ValueError(
+            f"invalid size {text!r}: use a byte count or a number with KiB, MiB or GiB"
+        )
+    size = int(match["count"]) * _UNITS[(match["unit"] or "").lower()]
+    if size <= 0 or size % BF16_BYTES:
+        raise ValueError(f"invalid size {text!r}: must be a positive, even number of bytes")
+    return size
+
+
+def format_size(size: int) -> str:
+    for unit in ("GiB", "MiB", "KiB"):
+        if size % _UNITS[unit.lower()] == 0:
+            return f"{size // _UNITS[unit.lower()]}{unit}"
+    return f"{size}B"
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodSpec:
+    """`name` or `name:key=value,key=value`; `label` is the spec as written, without spaces."""
+
+    label: str
+    name: str
+    options: dict[str, object]
+
+
+def _parse_value(text: str) -> object:
+    lowered = text.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if lowered == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_method(text: str) -> MethodSpec:
+    """`equarx-int8:schedule=ring,rotation=hadamard` -> its name and options (values parsed as
+    int, bool, None or else str). Names and options are checked against the registry later."""
+    label = re.sub(r"\s+", "", text)
+    name, _, option_text = label.partition(":")
+    options: dict[str, object] = {}
+    for item in filter(None, option_text.split(",")):
+        key, sep, value = item.partition("=")
+        if not (sep and key) or key in options:
+            raise ValueError(f"invalid method {text!r}: options are key=value,key=value")
+        options[key] = _parse_value(value)
+    if not name:
+        raise ValueError(f"invalid method {text!r}: no all-reduce name")
+    return MethodSpec(label, name, options)
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """What `run` measures; `repeats=None` is adaptive (see `allreduce_worker.py`)."""
+
+    meshes: tuple[tuple[str, int], ...]  # (mode, N): ("devices", 4), ("processes", 2)
+    sizes: tuple[int, ...]
+    methods: tuple[MethodSpec, ...] | None = None  # None: every registered all-reduce
+    repeats: int | None = None
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    seed: int = 0
+
+
+def _resolve_methods(methods: Sequence[MethodSpec] | None) -> list[dict[str, object]]:
+    """Checks names and options against the registry (imports JAX); UsageError if invalid."""
+    from equarx_serve.collectives import get_all_reduce, list_all_reduces
+
+    specs = list(methods) if methods is not None else [parse_method(n) for n in list_all_reduces()]
+    labels = [spec.label for spec in specs]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise UsageError(f"method(s) given more than once: {', '.join(duplicates)}")
+    for spec in specs:
+        try:
+            get_all_reduce(spec.name, **spec.options)
+        except ValueError as e:
+            raise UsageError(f"method {spec.label!r}: {e}") from None
+    return [dataclasses.asdict(spec) for spec in specs]
+
+
+def _run_worker(
+    mode: str, n: int, size: int, methods: list[dict[str, object]], config: BenchConfig
+) -> dict[str, object]:
+    """One worker run (N processes or one process with N devices); the parsed result."""
+    from equarx_serve import multiprocess
+    from equarx_serve.bench import allreduce_worker
+
+    devices = n if mode == "devices" else None
+    command = allreduce_worker.command(
+        size, methods, devices=devices, repeats=config.repeats, seed=config.seed
+    )
+    if mode == "processes":
+        outputs = multiprocess.run_local_processes(command, n, timeout_s=WORKER_TIMEOUT_S)
+        return allreduce_worker.parse_result(outputs[0].stdout)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(command[:3])} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return allreduce_worker.parse_result(done.stdout)
+
+
+def add_comparisons(result: dict[str, object]) -> None:
+    """Adds baseline, speedup, bytes_ratio and wire_match to every row of one worker result."""
+    rows = result["rows"]
+    unquantized = [row for row in rows if "int8" not in row["name"]]
+    baseline = min(unquantized, key=lambda row: row["median_ms"], default=None)
+    for row in rows:
+        row["wire_match"] = row["wire_bytes_hlo_total"] == row["wire_bytes_formula"]
+        row["baseline"] = row["speedup"] = row["bytes_ratio"] = None
+        if baseline is not None:
+            row["baseline"] = baseline["label"]
+            row["speedup"] = baseline["median_ms"] / row["median_ms"]
+            row["bytes_ratio"] = row["wire_bytes_hlo_total"] / max(
+                baseline["wire_bytes_hlo_total"], 1
+            )
+
+
+def mesh_title(mode: str, n: int) -> str:
+    return f"{n} processes (gloo)" if mode == "processes" else f"{n} devices (1 process)"
+
+
+def _table_row(size: int, row: dict[str, object]) -> list[str]:
+    wire_match = "yes" if row["wire_match"] else f"MISMATCH ({row['wire_bytes_formula']} B)"
+    return [
+        format_size(size),
+        row["label"] + ("*" if row["label"] == row["baseline"] else ""),
+        f"{row['median_ms']:.3f}",
+        "-" if row["speedup"] is None else f"{row['speedup']:.2f}x",
+        f"{row['wire_bytes_hlo_total'] / 2**20:.3f}",
+        "-" if row["bytes_ratio"] is None else f"{row['bytes_ratio']:.3f}",
+        wire_match,
+        f"{row['rel_rms']:.2e}",
+        f"{row['max_abs']:.3g}",
+        "yes" if row["identical"] else "NO",
+    ]
+
+
+_HEADER = ["size", "method", "median ms", "speed-up", "wire MiB", "bytes ratio",
+           "HLO = formula", "rel RMS", "max abs", "identical"]  # fmt: skip
+
+
+def format_table(mode: str, n: int, results: Sequence[dict[str, object]]) -> str:
+    """The terminal table of one mesh's results (one per size); the baseline is marked *."""
+    lines = [_HEADER] + [_table_row(r["size_bytes"], row) for r in results for row in r["rows"]]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
+    lines.insert(1, ["-" * w for w in widths])
+    text = [
+        f"\n== all-reduce, {mesh_title(mode, n)}, bf16; "
+        "speed-up and bytes ratio vs the fastest unquantized method (*) =="
+    ]
+    for line in lines:
+        cells = zip(line, widths, strict=True)
+        text.append(
+            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(cells))
+        )
+    mismatches = [
+        f"{format_size(r['size_bytes'])} {row['label']}"
+        for r in results
+        for row in r["rows"]
+        if not row["wire_match"]
+    ]
+    if mismatches:
+        text.append(
+            "WARNING: the wire bytes counted in the compiled HLO differ from the method's "
+            f"wire_bytes formula for: {'; '.join(mismatches)}"
+        )
+    return "\n".join(text)
+
+
+def write_plot(results: Sequence[dict[str, object]], path: Path) -> None:
+    """Speed-up vs message size (log x), one line per method, one panel per mesh, as PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    meshes = list(dict.fromkeys((r["mode"], r["n"]) for r in results))
+    cols = min(3, len(meshes))
+    rows = -(-len(meshes) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
+    for ax, (mode, n) in zip(axes.flat, meshes, strict=False):
+        mine = [r for r in results if (r["mode"], r["n"]) == (mode, n)]
+        mine.sort(key=lambda r: r["size_bytes"])
+        speedups: dict[str, list[tuple[int, float]]] = {}
+        for r in mine:
+            for row in r["rows"]:
+                if row["speedup"] is not None:
+                    speedups.setdefault(row["label"], []).append((r["size_bytes"], row["speedup"]))
+        for label, points in speedups.items():
+            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+        sizes = [r["size_bytes"] for r in mine]
+        ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [format_size(s) for s in sizes])
+        ax.set_xlabel("message size per device (bf16)")
+        ax.set_ylabel("speed-up vs fastest unquantized")
+        ax.set_title(mesh_title(mode, n))
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(meshes) :]:
+        ax.set_visible(False)
+    legend = {
+        label: handle
+        for ax in axes.flat
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True)
+    }
+    fig.legend(legend.values(), legend.keys(), loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: Path) -> None:
+    """Every row, flattened with its mesh and size, plus the settings of the run."""
+    import jax
+
+    settings = {
+        "meshes": [{"mode": mode, "n": n} for mode, n in config.meshes],
+        "sizes_bytes": list(config.sizes),
+        "methods": [
+            {"label": row["label"], "name": row["name"], "options": row["options"]}
+            for row in results[0]["rows"]
+        ],
+        "repeats": "adaptive" if config.repeats is None else config.repeats,
+        "dtype": "bfloat16",
+        "seed": config.seed,
+        "baseline_rule": "fastest median among methods whose name does not contain 'int8'",
+        "jax_version": jax.__version__,
+        "python_version": platform.python_version(),
+        "host_cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    rows = [
+        {"mode": r["mode"], "n": r["n"], "size_bytes": r["size_bytes"], "repeats": r["repeats"]}
+        | row
+        for r in results
+        for row in r["rows"]
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
+
+
+def run(config: BenchConfig) -> int:
+    """Measures every (mesh, size), prints one table per mesh, writes JSON/plot if asked.
+    Returns the exit code: 1 when a worker fails (its error is printed), else 0."""
+    from tqdm import tqdm
+
+    methods = _resolve_methods(config.methods)
+    results: list[dict[str, object]] = []
+    total = len(config.meshes) * len(config.sizes) * len(methods)
+    with tqdm(total=total, unit="method", desc="all-reduce bench") as bar:
+        for mode, n in config.meshes:
+            mesh_results = []
+            for size in config.sizes:
+                bar.set_postfix_str(f"{mode}={n} {format_size(size)}")
+                try:
+                    result = _run_worker(mode, n, size, methods, config)
+                except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+                    bar.write(f"error: {mode}={n} {format_size(size)}: {e}", file=sys.stderr)
+                    return 1
+                result["mode"] = mode
+                add_comparisons(result)
+                mesh_results.append(result)
+                bar.update(len(methods))
+            bar.write(format_table(mode, n, mesh_results))
+            results += mesh_results
+    if config.json_path:
+        write_json(results, config, config.json_path)
+        print(f"wrote {config.json_path}")
+    if config.plot_path:
+        write_plot(results, config.plot_path)
+        print(f"wrote {config.plot_path}")
+    return 0
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < minimum:
+            raise ValueError(f"invalid value {text!r}: must be an integer >= {minimum}")
+        return int(text)
+
+    return parse
+
+
+def _argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """`parse` for argparse: its ValueError message becomes the usage error."""
+
+    def argument_type(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return argument_type
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `bench allreduce`."""
+    parser.add_argument(
+        "--devices",
+        nargs="+",
+        type=_argument_type(_int_at_least(2)),
+        default=[],
+        metavar="N",
+        help="one process with N host CPU devices (several N: one mesh each)",
+    )
+    parser.add_argument(
+        "--processes",
+        nargs="+",
+        type=_argument_type(_int_at_least(2)),
+        default=[],
+        metavar="N",
+        help="N local processes, one CPU device each, gloo (default: 2)",
+    )
+    parser.add_argument(
+        "--sizes",
+        nargs="+",
+        type=_argument_type(parse_size),
+        metavar="SIZE",
+        default=[parse_size(s) for s in DEFAULT_SIZES],
+        help=f"bytes per device, e.g. 65536 64KiB 16MiB (default: {' '.join(DEFAULT_SIZES)})",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=_argument_type(parse_method),
+        metavar="METHOD",
+        help="all-reduces, each NAME or NAME:key=value,... (default: every registered one)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=_argument_type(_int_at_least(1)),
+        metavar="R",
+        help="timed calls per method and size (default: adaptive, ~0.5 s per method, 5 to 50)",
+    )
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write every row here")
+    parser.add_argument("--plot", type=Path, metavar="PATH", help="write a speed-up plot (PNG)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the input data")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    meshes = [("devices", n) for n in args.devices] + [("processes", n) for n in args.processes]
+    return BenchConfig(
+        meshes=tuple(dict.fromkeys(meshes)) or (("processes", 2),),
+        sizes=tuple(sorted(set(args.sizes))),
+        methods=None if args.methods is None else tuple(args.methods),
+        repeats=args.repeats,
+        json_path=args.json,
+        plot_path=args.plot,
+        seed=args.seed,
+    )

@@ -1,0 +1,236 @@
+"""One all-reduce measurement: every method at one message size on one mesh of N devices.
+
+Started by `equarx-serve bench allreduce` (see `allreduce.py`), one run per (N, size):
+
+    python -m equarx_serve.bench.allreduce_worker --devices 4 --size-bytes 1048576 \\
+        --methods '[{"label": "psum", "name": "psum", "options": {}}]'
+
+`--devices N`: one process, N host CPU devices (`jax_num_cpu_devices`). Without it, one CPU
+device per process, joined by `jax.distributed` over gloo (`--coordinator`, `--num-processes`,
+`--process-id`; see `equarx_serve.multiprocess`). The mesh is 1-D, axis "x".
+
+Input: a [N, L] bf16 array sharded over "x", L = size / 2 bytes, LLM-activation-like and
+different on every device (`activations`). Reference: the same sum in f32 with an f32 output
+(`psum-f32` before its final cast to bf16).
+
+What is timed: each method is `jit(shard_map(lambda b: ar(b[0], "x")[None]))` with in and out
+specs P("x") (every device's output is kept), compiled ahead of time (its HLO gives the wire
+bytes), run once untimed (that output gives the errors), then once timed (the warm-up that sizes
+the adaptive repeat count). Then `repeats` rounds, each running every method once, in an order
+rotated by one per round. A call is timed with `perf_counter` around
+`program(x).block_until_ready()`: dispatch, the collectives and all quantize/accumulate compute,
+until this process's output is ready. Before each call a tiny psum (untimed) lines the
+processes up. Across processes, a call's time is the slowest process's.
+
+Process 0 prints the result as one JSON line, prefixed with `RESULT_MARKER`, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx_serve import multiprocess
+from equarx_serve.bench.hlo_bytes import collective_wire_bytes
+from equarx_serve.collectives import get_all_reduce
+
+MODULE = "equarx_serve.bench.allreduce_worker"
+RESULT_MARKER = "EQUARX_BENCH_RESULT"
+AXIS = "x"
+
+CHANNELS = 1024  # activations are rows of this many channels
+NUM_OUTLIER_CHANNELS = 8
+OUTLIER_GAIN = (20.0, 100.0)
+
+# Adaptive repeats: about TARGET_S of timed calls per method (from the mean warm-up time).
+TARGET_S = 0.5
+MIN_REPEATS, MAX_REPEATS = 5, 50
+
+
+def activations(device: int, num_elements: int, seed: int) -> np.ndarray:
+    """Device `device`'s input, [num_elements] bf16: rows of `CHANNELS` channels, each a standard
+    normal times a per-channel scale (log-normal, sigma 0.5), with `NUM_OUTLIER_CHANNELS`
+    channels 20-100x larger. Scales are shared by all devices, values are not."""
+    shared = np.random.default_rng(seed)
+    scale = shared.lognormal(0.0, 0.5, CHANNELS)
+    outliers = shared.choice(CHANNELS, NUM_OUTLIER_CHANNELS, replace=False)
+    scale[outliers] *= shared.uniform(*OUTLIER_GAIN, NUM_OUTLIER_CHANNELS)
+    values = np.random.default_rng([seed, device]).standard_normal(num_elements, np.float32)
+    values *= np.resize(scale.astype(np.float32), num_elements)
+    return values.astype(jnp.bfloat16)
+
+
+def adaptive_repeats(warm_s: Sequence[float]) -> int:
+    """Rounds for about `TARGET_S` of timing per method, in [MIN_REPEATS, MAX_REPEATS]."""
+    mean_s = max(sum(warm_s) / len(warm_s), 1e-9)
+    return min(MAX_REPEATS, max(MIN_REPEATS, math.ceil(TARGET_S / mean_s)))
+
+
+def _compile(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Compiled:
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+    return jax.jit(mapped).lower(x).compile()
+
+
+def _gather(local: np.ndarray) -> np.ndarray:
+    """Every process's `local` (same shape everywhere), stacked: [processes, *shape]."""
+    return np.asarray(multihost_utils.process_allgather(local))
+
+
+def _device_stats(out: jax.Array, reference: jax.Array) -> tuple[np.ndarray, np.ndarray]:
+    """Per local device: [sum sq error, sum sq reference, max abs error] and a 128-bit digest
+    of the output bytes (as 4 uint32), to compare replicas across processes."""
+    ref_shards = {s.device: s.data for s in reference.addressable_shards}
+    stats, digests = [], []
+    for shard in out.addressable_shards:
+        y = np.asarray(shard.data)
+        ref = np.asarray(ref_shards[shard.device], np.float64)
+        err = y.astype(np.float64) - ref
+        stats.append([err.ravel() @ err.ravel(), ref.ravel() @ ref.ravel(), np.abs(err).max()])
+        digest = hashlib.blake2b(y.tobytes(), digest_size=16).digest()
+        digests.append(np.frombuffer(digest, np.uint32))
+    return np.asarray(stats, np.float32), np.stack(digests)
+
+
+def _errors(out: jax.Array, reference: jax.Array) -> dict[str, float | bool]:
+    """Relative RMS error and max abs error over all devices' outputs, and whether all
+    devices' outputs are bit-identical."""
+    stats, digests = _device_stats(out, reference)
+    stats = _gather(stats).reshape(-1, 3).astype(np.float64)
+    digests = _gather(digests).reshape(-1, 4)
+    return {
+        "rel_rms": float(math.sqrt(stats[:, 0].sum() / stats[:, 1].sum())),
+        "max_abs": float(stats[:, 2].max()),
+        "identical": bool((digests == digests[0]).all()),
+    }
+
+
+def measure(
+    methods: Sequence[dict], size_bytes: int, repeats: int | None, seed: int
+) -> dict[str, object]:
+    """Times and checks every method (dicts of label, name, options) at one size; see module doc."""
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    n, num_elements = mesh.size, size_bytes // 2
+    x = jax.make_array_from_callback(
+        (n, num_elements),
+        NamedSharding(mesh, P(AXIS)),
+        lambda index: activations(index[0].start, num_elements, seed)[None],
+    )
+    reference = _compile(lambda b: lax.psum(b[0].astype(jnp.float32), AXIS)[None], mesh, x)(x)
+    token = jax.make_array_from_callback(
+        (n,), NamedSharding(mesh, P(AXIS)), lambda index: np.ones(1, np.float32)
+    )
+    barrier = _compile(lambda t: lax.psum(t, AXIS), mesh, token)
+
+    def timed(program: jax.stages.Compiled) -> float:
+        barrier(token).block_until_ready()
+        start = time.perf_counter()
+        program(x).block_until_ready()
+        return time.perf_counter() - start
+
+    programs: dict[str, jax.stages.Compiled] = {}
+    rows: dict[str, dict[str, object]] = {}
+    for method in methods:
+        label = method["label"]
+        ar = get_all_reduce(method["name"], **method["options"])
+        program = programs[label] = _compile(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, x)
+        hlo_bytes = collective_wire_bytes(program.as_text(), n)
+        rows[label] = {
+            "label": label,
+            "name": method["name"],
+            "options": ar.options(),
+            "wire_bytes_hlo": hlo_bytes,
+            "wire_bytes_hlo_total": sum(hlo_bytes.values()),
+            "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
+            **_errors(program(x), reference),
+        }
+
+    warm_s = _gather(np.array([timed(programs[m]) for m in programs], np.float32))
+    if repeats is None:
+        repeats = adaptive_repeats(warm_s.max(axis=0).tolist())
+    labels = list(programs)
+    local_s = np.zeros((len(labels), repeats), np.float32)
+    for r in range(repeats):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            local_s[labels.index(label), r] = timed(programs[label])
+    times_ms = _gather(local_s).max(axis=0).astype(np.float64) * 1e3
+    for label, times in zip(labels, times_ms, strict=True):
+        p10, median, p90 = np.percentile(times, [10, 50, 90])
+        rows[label].update(
+            median_ms=float(median),
+            p10_ms=float(p10),
+            p90_ms=float(p90),
+            times_ms=np.round(times, 4).tolist(),
+        )
+    return {
+        "n": n,
+        "num_processes": jax.process_count(),
+        "size_bytes": size_bytes,
+        "repeats": repeats,
+        "rows": list(rows.values()),
+    }
+
+
+def command(
+    size_bytes: int,
+    methods: Sequence[dict],
+    *,
+    devices: int | None,
+    repeats: int | None,
+    seed: int,
+) -> list[str]:
+    """The command line that runs this module (process flags are added by the launcher)."""
+    args = ["--size-bytes", str(size_bytes), "--methods", json.dumps(list(methods))]
+    args += ["--seed", str(seed)]
+    if devices is not None:
+        args += ["--devices", str(devices)]
+    if repeats is not None:
+        args += ["--repeats", str(repeats)]
+    return multiprocess.python_module_command(MODULE, *args)
+
+
+def parse_result(stdout: str) -> dict[str, object]:
+    """The result that process 0 printed, from its stdout (other lines are ignored)."""
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_MARKER + " "):
+            return json.loads(line.removeprefix(RESULT_MARKER + " "))
+    raise RuntimeError(f"no {RESULT_MARKER} line in the worker's output:\n{stdout[-2000:]}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-bytes", type=int, required=True, help="message bytes per device")
+    parser.add_argument("--methods", type=json.loads, required=True, help="JSON list of methods")
+    parser.add_argument("--devices", type=int, help="N host devices in this one process")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default: adaptive)")
+    parser.add_argument("--seed", type=int, default=0)
+    multiprocess.add_process_flags(parser)
+    args = parser.parse_args(argv)
+
+    jax.config.update("jax_platforms", "cpu")
+    if args.devices is not None:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    elif args.num_processes > 1:
+        multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
+    expected = args.devices if args.devices is not None else args.num_processes
+    if jax.device_count() != expected:
+        raise RuntimeError(f"expected {expected} devices, JAX has {jax.device_count()}")
+    result = measure(args.methods, args.size_bytes, args.repeats, args.seed)
+    if jax.process_index() == 0:
+        print(RESULT_MARKER, json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""The `equarx-serve` command line.
+
+    equarx-serve bench allreduce [--devices N ... | --processes N ...] [--sizes ...]
+                                 [--methods ...] [--repeats R] [--json PATH] [--plot PATH]
+    equarx-serve demo [--out-dir DIR]
+
+Commands import JAX only when they run, so `equarx-serve --help` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from equarx_serve.bench import allreduce
+
+DEMO_DIR = Path("bench-results")
+# The demo compares EQuARX's schedules and rotation against every registered all-reduce.
+DEMO_EXTRA_METHODS = ("equarx-int8:schedule=ring", "equarx-int8:rotation=hadamard")
+
+
+def _bench_allreduce(args: argparse.Namespace) -> int:
+    return allreduce.run(allreduce.config_from_args(args))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """The main job, end to end. For now: the all-reduce benchmark across 2 processes,
+    written to DIR/allreduce.json and DIR/allreduce.png."""
+    from equarx_serve.collectives import list_all_reduces
+
+    methods = [*list_all_reduces(), *DEMO_EXTRA_METHODS]
+    config = allreduce.BenchConfig(
+        meshes=(("processes", 2),),
+        sizes=tuple(allreduce.parse_size(s) for s in allreduce.DEFAULT_SIZES),
+        methods=tuple(allreduce.parse_method(m) for m in methods),
+        json_path=args.out_dir / "allreduce.json",
+        plot_path=args.out_dir / "allreduce.png",
+    )
+    return allreduce.run(config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="equarx-serve",
+        description="Tensor-parallel Gemma 3 prefill on a pluggable, int8-quantized (EQuARX) "
+        "all-reduce in JAX.",
+    )
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK")
+    bench.set_defaults(handler=None, command_parser=bench)
+    bench_allreduce = benchmarks.add_parser(
+        "allreduce",
+        help="all-reduce methods side by side: time, wire bytes, error",
+        description=allreduce.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    allreduce.add_arguments(bench_allreduce)
+    bench_allreduce.set_defaults(handler=_bench_allreduce, command_parser=bench_allreduce)
+
+    demo = commands.add_parser(
+        "demo", help="the main job end to end (now: the all-reduce benchmark)"
+    )
+    demo.add_argument("--out-dir", type=Path, default=DEMO_DIR, help="default: %(default)s")
+    demo.set_defaults(handler=_demo, command_parser=demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:
+        # No command (or `bench` without a benchmark): help for the deepest parser reached.
+        getattr(args, "command_parser", parser).print_help()
+        return 0
+    try:
+        return args.handler(args)
+    except allreduce.UsageError as e:
+        args.command_parser.error(str(e))  # exits with code 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
