@@ -9,10 +9,12 @@ the failing process's stderr.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,40 +65,66 @@ def run_local_processes(
     child_env["XLA_FLAGS"] = " ".join(
         f for f in xla_flags if not f.startswith("--xla_force_host_platform_device_count")
     )
-    procs = [
-        subprocess.Popen(
-            [*command, "--coordinator", coordinator, "--num-processes", str(num_processes),
-             "--process-id", str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=child_env,
-        )
-        for i in range(num_processes)
-    ]
-    deadline = time.monotonic() + timeout_s
-    outputs: dict[int, ProcessOutput] = {}
-    try:
-        while len(outputs) < num_processes:
-            for i, proc in enumerate(procs):
-                if i in outputs or proc.poll() is None:
-                    continue
-                stdout, stderr = proc.communicate()
-                outputs[i] = ProcessOutput(i, stdout, stderr)
-                if proc.returncode != 0:
-                    raise RuntimeError(
-                        f"process {i} of {num_processes} ({' '.join(command)}) exited with "
-                        f"{proc.returncode}:\n{stderr[-4000:]}"
+    # Output goes to temporary files, not pipes: a pipe nobody reads fills up and blocks.
+    with contextlib.ExitStack() as files:
+        logs = [
+            (
+                files.enter_context(tempfile.TemporaryFile("w+")),
+                files.enter_context(tempfile.TemporaryFile("w+")),
+            )
+            for _ in range(num_processes)
+        ]
+        procs = [
+            subprocess.Popen(
+                [
+                    *command,
+                    "--coordinator",
+                    coordinator,
+                    "--num-processes",
+                    str(num_processes),
+                    "--process-id",
+                    str(i),
+                ],
+                stdout=stdout,
+                stderr=stderr,
+                text=True,
+                env=child_env,
+            )
+            for i, (stdout, stderr) in enumerate(logs)
+        ]
+
+        def output(i: int) -> ProcessOutput:
+            stdout, stderr = logs[i]
+            stdout.seek(0)
+            stderr.seek(0)
+            return ProcessOutput(i, stdout.read(), stderr.read())
+
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(proc.poll() is None for proc in procs):
+                for i, proc in enumerate(procs):
+                    if proc.returncode not in (None, 0):
+                        raise RuntimeError(
+                            f"process {i} of {num_processes} ({' '.join(command)}) exited with "
+                            f"{proc.returncode}:\n{output(i).stderr[-4000:]}"
+                        )
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{num_processes} processes did not finish in {timeout_s:.0f}s"
                     )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{num_processes} processes did not finish in {timeout_s:.0f}s")
-            time.sleep(0.05)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [outputs[i] for i in range(num_processes)]
+                time.sleep(0.05)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for i, proc in enumerate(procs):
+            if proc.returncode != 0:
+                raise RuntimeError(
+                    f"process {i} of {num_processes} ({' '.join(command)}) exited with "
+                    f"{proc.returncode}:\n{output(i).stderr[-4000:]}"
+                )
+        return [output(i) for i in range(num_processes)]
 
 
 def python_module_command(module: str, *args: str) -> list[str]:

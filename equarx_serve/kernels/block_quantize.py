@@ -67,7 +67,8 @@ def row_tile(rows: int) -> int:
 
 def _quantize_with_absmax(acc: jax.Array, absmax: jax.Array) -> tuple[jax.Array, jax.Array]:
     """f32 [R, B] and its per-row absmax over finite values [R, 1] -> (int8 [R, B], f32 [R, 1])."""
-    scale = jnp.maximum(absmax / INT8_MAX, FLOAT32_TINY)
+    # A multiply, not a divide: XLA rewrites x / 127 so, Mosaic does not; all paths must agree.
+    scale = jnp.maximum(absmax * (1.0 / INT8_MAX), FLOAT32_TINY)
     q = jnp.clip(jnp.round(acc * (1.0 / scale)), -INT8_MAX, INT8_MAX)
     q = jnp.where(jnp.isfinite(acc), q, NONFINITE_CODE).astype(jnp.int8)
     return q, scale
@@ -112,24 +113,25 @@ def accumulate_quantize_xla(local: jax.Array, received: tuple[Payload, ...] = ()
         for q, scale in received:
             acc = acc + dequantize(q, scale)
         local = lax.optimization_barrier(acc)
-    return quantize_xla(local, row_absmax_xla(local))
+    return quantize_chunk_xla(local[None], 0)
 
 
-def row_absmax_xla(x: jax.Array) -> jax.Array:
-    """max(max(row), -min(row)) as f32 [..., 1]: max|row| for finite rows; see above for NaN."""
-    row_max = jnp.max(x, axis=-1, keepdims=True)
-    row_min = jnp.min(x, axis=-1, keepdims=True)
-    return jnp.maximum(row_max, -row_min).astype(jnp.float32)
+def quantize_chunk_xla(values: jax.Array, index: jax.Array | int) -> Payload:
+    """Quantizes chunk `index` of values [N, R, B] (see `accumulate_quantize_xla`).
 
-
-def quantize_xla(x: jax.Array, absmax: jax.Array) -> Payload:
-    """Quantizes x [..., R, B] with a fast `row_absmax_xla`, redone exactly if x held NaN/Inf."""
-    q, scale = _quantize_with_absmax(x.astype(jnp.float32), absmax)
+    The row absmax is reduced over all of `values` (CSE'd across chunks) rather than over a
+    sliced-out chunk, and the exact fallback slices `values` itself, so no chunk is copied out.
+    """
+    take = lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False)
+    row_max = jnp.max(values, axis=-1, keepdims=True)
+    row_min = jnp.min(values, axis=-1, keepdims=True)
+    absmax = take(jnp.maximum(row_max, -row_min).astype(jnp.float32))
+    q, scale = _quantize_with_absmax(take(values).astype(jnp.float32), absmax)
     return lax.cond(
         jnp.min(q) == NONFINITE_CODE,
-        lambda x: _quantize_rows(x.astype(jnp.float32)),
+        lambda values: _quantize_rows(take(values).astype(jnp.float32)),
         lambda _: (q, scale),
-        x,
+        values,
     )
 
 
