@@ -76,10 +76,7 @@ class BlockInt8Codec:
     def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple:
         if self.use_pallas:
             return self._accumulate_quantize(_take_chunk(lane, index), ())
-        # XLA:CPU: the row absmax straight off the whole lane (a reduction over a materialized
-        # array is fast; over a sliced chunk it would first copy the chunk out).
-        absmax = block_quantize.row_absmax_xla(lane)
-        return block_quantize.quantize_xla(_take_chunk(lane, index), _take_chunk(absmax, index))
+        return block_quantize.quantize_chunk_xla(lane, index)
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple:
         return self._accumulate_quantize(local, received)
