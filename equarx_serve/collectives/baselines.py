@@ -59,8 +59,8 @@ class Ring(AllReduce):
     name: ClassVar[str] = "ring"
 
     schedule: Literal["ring", "two-shot"] = "two-shot"
-    bidirectional: bool = True
-    num_slices: int = 2
+    bidirectional: bool = False
+    num_slices: int = 1
 
     def __post_init__(self):
         if self.schedule not in ("ring", "two-shot"):

@@ -99,8 +99,8 @@ class EquarxInt8(AllReduce):
     block_size: int = 256
     schedule: Literal["ring", "two-shot"] = "two-shot"
     rotation: Literal["hadamard"] | None = None
-    bidirectional: bool = True
-    num_slices: int = 2
+    bidirectional: bool = False
+    num_slices: int = 1
     min_size_bytes: int = DEFAULT_MIN_SIZE_BYTES
     kernel: Literal["auto", "pallas", "jnp"] = "auto"
 

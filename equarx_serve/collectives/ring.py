@@ -145,37 +145,23 @@ def pipelined_all_reduce(
         raise ValueError(f"unknown schedule {schedule!r}; valid: 'ring', 'two-shot'")
 
     # All-gather: forward the owners' payloads unchanged; everyone decodes the same bytes.
-    # Payloads are kept in arrival order; one gather puts them in place and decodes them in a
-    # single pass (no zero-filled buffer, no per-chunk copies).
+    # Each lane keeps its payloads in arrival order; one gather per lane puts them in place and
+    # decodes them in a single pass (no zero-filled buffer, no per-chunk copies), so a lane is
+    # decoded as soon as its own payloads are in, while later lanes are still on the wire.
     with jax.named_scope("ring_all_gather"):
-        arrived = {key: [payload[key]] for key in keys}
-        for _ in range(1, n):
-            for key in keys:
-                forwarded = lax.ppermute(
-                    arrived[key][-1], axis_name, _shift_perm(n, direction[key])
-                )
-                arrived[key].append(forwarded)
-        # The payload that arrived at step k is chunk owned - dir*k, so chunk p arrived at step
-        # dir * (owned - p) mod N.
-        arrival_step = jnp.stack(
-            [
-                jnp.stack(
-                    [
-                        direction[(d, s)] * (owned[(d, s)] - jnp.arange(n)) % n
-                        for s in range(num_slices)
-                    ]
-                )
-                for d in range(num_dirs)
-            ]
-        )  # [D, S, N]
-        stacked = jax.tree.map(
-            lambda *chunks: jnp.stack(chunks).reshape(num_dirs, num_slices, n, *chunks[0].shape),
-            *[payload_k for key in keys for payload_k in arrived[key]],
-        )  # leaves [D, S, N(arrival), R, ...]
-        in_place = jax.tree.map(
-            lambda a: jnp.take_along_axis(
-                a, arrival_step.reshape(arrival_step.shape + (1,) * (a.ndim - 3)), axis=2
-            ),
-            stacked,
-        )
-        return codec.decode(in_place, out_dtype)
+        decoded = {}
+        for key in keys:
+            arrived = [payload[key]]
+            for _ in range(1, n):
+                arrived.append(lax.ppermute(arrived[-1], axis_name, _shift_perm(n, direction[key])))
+            # The payload that arrived at step k is chunk owned - dir*k, so chunk p arrived at
+            # step dir * (owned - p) mod N.
+            arrival_step = direction[key] * (owned[key] - jnp.arange(n)) % n  # [N]
+            in_place = jax.tree.map(
+                lambda *chunks, steps=arrival_step: jnp.take(jnp.stack(chunks), steps, axis=0),
+                *arrived,
+            )  # leaves [N, R, ...]
+            decoded[key] = codec.decode(in_place, out_dtype)
+    return jnp.stack(
+        [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
+    )

@@ -1,0 +1,487 @@
+"""The all-reduce registry and the all-reduces themselves, on 2, 4 and 8 host devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import re
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import (
+    AXIS,
+    assert_replicas_identical,
+    gaussian,
+    integers,
+    llm_activations,
+    lower_all_reduce,
+    mesh_of,
+    reference_sum,
+    rel_rms,
+    run_all_reduce,
+)
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx_serve.collectives import (
+    AllReduce,
+    base,
+    get_all_reduce,
+    list_all_reduces,
+    register_all_reduce,
+)
+from equarx_serve.collectives.hadamard import block_hadamard
+
+BUILTINS = ["psum", "psum-f32", "ring", "naive-int8", "equarx-int8"]
+FLOAT_DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
+
+
+def equarx(**options: object) -> AllReduce:
+    """equarx-int8 without the size gate, so that small test messages are quantized."""
+    return get_all_reduce("equarx-int8", **{"min_size_bytes": 0, **options})
+
+
+def any_all_reduce(name: str) -> AllReduce:
+    return equarx() if name == "equarx-int8" else get_all_reduce(name)
+
+
+# Every equarx-int8 configuration: schedule x rotation x bidirectional x num_slices.
+CONFIGS = [
+    dict(schedule=s, rotation=r, bidirectional=b, num_slices=k)
+    for s, r, b, k in itertools.product(
+        ("ring", "two-shot"), (None, "hadamard"), (False, True), (1, 3)
+    )
+]
+
+
+def config_id(config: dict) -> str:
+    return "-".join(f"{v}" for v in config.values())
+
+
+@functools.cache
+def data_of(kind: str, n: int) -> np.ndarray:
+    """64K elements per device (enough for stable error statistics)."""
+    return {"gaussian": gaussian, "outliers": llm_activations}[kind](n)
+
+
+@functools.cache
+def error_of(ar: AllReduce, kind: str, n: int) -> float:
+    """Relative RMS error against the exact sum; also checks that all replicas agree."""
+    x = data_of(kind, n)
+    y = run_all_reduce(ar, x, n)
+    assert_replicas_identical(y)
+    return rel_rms(y, x)
+
+
+# --- registry ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Registrations made in a test are undone after it."""
+    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+
+
+def test_the_five_builtins_are_registered():
+    assert list_all_reduces() == BUILTINS
+    for name in BUILTINS:
+        ar = get_all_reduce(name)
+        assert isinstance(ar, AllReduce) and ar.name == name
+
+
+def test_unknown_name_lists_the_registered_ones():
+    with pytest.raises(ValueError, match="'allreduce'") as e:
+        get_all_reduce("allreduce")
+    assert all(name in str(e.value) for name in BUILTINS)
+
+
+def test_unknown_option_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="blocksize") as e:
+        get_all_reduce("equarx-int8", blocksize=128)
+    valid = ["block_size", "schedule", "rotation", "bidirectional", "num_slices", "kernel"]
+    assert all(option in str(e.value) for option in valid)
+    with pytest.raises(ValueError, match="block_size"):
+        get_all_reduce("psum", block_size=128)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(block_size=0),
+        dict(block_size=1),
+        dict(block_size=256.0),
+        dict(schedule="tree"),
+        dict(rotation="x"),
+        dict(rotation="hadamard", block_size=100),
+        dict(bidirectional=1),
+        dict(num_slices=0),
+        dict(min_size_bytes=-1),
+        dict(kernel="cuda"),
+    ],
+    ids=lambda options: "-".join(f"{k}={v}" for k, v in options.items()),
+)
+def test_bad_option_values_raise(options: dict):
+    with pytest.raises(ValueError, match=next(iter(options))):
+        get_all_reduce("equarx-int8", **options)
+
+
+@pytest.mark.parametrize(
+    "options", [dict(schedule="tree"), dict(num_slices=0), dict(bidirectional="yes")]
+)
+def test_bad_ring_option_values_raise(options: dict):
+    with pytest.raises(ValueError):
+        get_all_reduce("ring", **options)
+
+
+def test_an_instance_passes_through_but_not_with_options():
+    ar = equarx(block_size=64)
+    assert get_all_reduce(ar) is ar
+    with pytest.raises(ValueError):
+        get_all_reduce(ar, block_size=128)
+
+
+def test_a_user_all_reduce_can_be_registered_and_used(scratch_registry: None):
+    @register_all_reduce
+    @dataclasses.dataclass(frozen=True)
+    class Scaled(AllReduce):
+        name: ClassVar[str] = "test-scaled"
+        factor: float = 1.0
+
+        def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+            return self.factor * lax.psum(x, axis_name)
+
+    assert list_all_reduces() == [*BUILTINS, "test-scaled"]
+    assert register_all_reduce(Scaled) is Scaled  # registering again is harmless
+    ar = get_all_reduce("test-scaled", factor=3.0)
+    assert ar == Scaled(factor=3.0)
+    x = integers(2, (16,))
+    np.testing.assert_array_equal(run_all_reduce(ar, x, 2), np.stack([3 * x.sum(0)] * 2))
+
+
+def test_registering_something_else_raises(scratch_registry: None):
+    class NotAnAllReduce:
+        name = "test-not"
+
+    @dataclasses.dataclass(frozen=True)
+    class Nameless(AllReduce):  # inherits "psum" instead of setting its own name
+        pass
+
+    @dataclasses.dataclass(frozen=True)
+    class Impostor(AllReduce):
+        name: ClassVar[str] = "ring"
+
+    for bad in (NotAnAllReduce, AllReduce(), lambda x, axis: x, Nameless):
+        with pytest.raises(TypeError):
+            register_all_reduce(bad)
+    with pytest.raises(ValueError, match="already registered"):
+        register_all_reduce(Impostor)
+    assert list_all_reduces() == BUILTINS
+
+
+# --- exact results ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("name", ["psum", "psum-f32", "ring"])
+def test_unquantized_all_reduces_are_exact_on_integers(name: str, n: int):
+    x = integers(n, (3, 1000))
+    y = run_all_reduce(get_all_reduce(name), x, n)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    np.testing.assert_array_equal(y, np.stack([reference_sum(x)] * n).astype(np.float32))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(schedule="ring"), dict(bidirectional=False, num_slices=3)],
+    ids=["default", "ring", "unidirectional-3-slices"],
+)
+def test_ring_is_exact_on_small_integers_in_bf16(options: dict, n: int):
+    x = integers(n, (5, 300), low=-4, high=4).astype(jnp.bfloat16)  # every partial sum < 256
+    y = run_all_reduce(get_all_reduce("ring", **options), x, n)
+    assert y.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(y.astype(np.float64), np.stack([reference_sum(x)] * n))
+
+
+# --- quantization error -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_default_error_on_gaussian_is_below_2_percent(n: int):
+    assert error_of(equarx(), "gaussian", n) < 0.02
+
+
+def test_two_shot_with_hadamard_on_outliers_is_below_1_percent():
+    assert error_of(equarx(schedule="two-shot", rotation="hadamard"), "outliers", 8) < 0.01
+
+
+def test_hadamard_rotation_helps_on_outliers():
+    for schedule in ("ring", "two-shot"):
+        plain = error_of(equarx(schedule=schedule), "outliers", 8)
+        rotated = error_of(equarx(schedule=schedule, rotation="hadamard"), "outliers", 8)
+        assert rotated < 0.3 * plain, (schedule, rotated, plain)
+
+
+def test_two_shot_is_more_accurate_than_ring_at_8_devices():
+    # ring re-quantizes the running sum at each of its N-1 hops; two-shot quantizes twice.
+    for kind in ("gaussian", "outliers"):
+        ring = error_of(equarx(schedule="ring"), kind, 8)
+        two_shot = error_of(equarx(schedule="two-shot"), kind, 8)
+        assert two_shot < 0.9 * ring, (kind, two_shot, ring)
+
+
+# Per-tensor scales lose ~1.3x on Gaussian data (the absmax of a chunk vs a block) and far more
+# when a few channels are 100x larger.
+BEATS_NAIVE_BY = {"gaussian": 0.8, "outliers": 0.5}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=config_id)
+def test_every_config_beats_naive_int8_with_identical_replicas(config: dict):
+    for kind, factor in BEATS_NAIVE_BY.items():
+        naive = error_of(get_all_reduce("naive-int8"), kind, 8)
+        error = error_of(equarx(**config), kind, 8)
+        assert error < factor * naive, (kind, error, naive)
+
+
+def test_error_shrinks_with_the_block_size():
+    errors = [error_of(equarx(block_size=b), "outliers", 8) for b in (32, 128, 512)]
+    assert errors[0] < 0.75 * errors[1] < 0.75**2 * errors[2], errors
+
+
+# --- the Hadamard rotation -------------------------------------------------------------------
+
+
+def sylvester(size: int) -> np.ndarray:
+    h = np.ones((1, 1))
+    while h.shape[0] < size:
+        h = np.kron([[1, 1], [1, -1]], h)
+    return h
+
+
+@pytest.mark.parametrize("block", [1, 2, 8, 32, 64, 256, 1024])
+def test_block_hadamard_is_the_orthonormal_hadamard_transform(block: int):
+    x = np.random.default_rng(block).standard_normal((3, 2, block)).astype(np.float32)
+    want = x.astype(np.float64) @ sylvester(block) / np.sqrt(block)
+    np.testing.assert_allclose(np.asarray(block_hadamard(jnp.asarray(x))), want, atol=1e-5)
+
+
+def test_block_hadamard_is_its_own_inverse_and_spreads_outliers():
+    x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(block_hadamard(block_hadamard(x))), x, atol=1e-5)
+    spike = np.zeros((1, 256), np.float32)
+    spike[0, 17] = 160.0
+    np.testing.assert_allclose(np.abs(np.asarray(block_hadamard(spike))), 10.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block", [3, 100])
+def test_block_hadamard_needs_a_power_of_two(block: int):
+    with pytest.raises(ValueError, match="power-of-two"):
+        block_hadamard(jnp.zeros((2, block)))
+
+
+# --- the Pallas kernel in the collective ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),
+        dict(schedule="ring", rotation="hadamard", bidirectional=False, num_slices=1),
+        dict(schedule="two-shot", rotation="hadamard", num_slices=3),
+    ],
+    ids=["default", "ring-hadamard-1-lane", "two-shot-hadamard-6-lanes"],
+)
+def test_pallas_kernel_gives_the_same_bits_as_jnp(config: dict):
+    n = 4
+    x = gaussian(n, (2, 1000)).astype(jnp.bfloat16)
+    x[1, 0, 7] = np.nan  # exercise the non-finite path as well
+    pallas = run_all_reduce(equarx(kernel="pallas", block_size=64, **config), x, n)
+    jnp_ = run_all_reduce(equarx(kernel="jnp", block_size=64, **config), x, n)
+    assert_replicas_identical(pallas)
+    np.testing.assert_array_equal(pallas.view(np.uint16), jnp_.view(np.uint16))
+    finite = np.isfinite(pallas[0].astype(np.float32))
+    nonfinite = np.argwhere(~finite.reshape(-1)).ravel().tolist()
+    assert nonfinite == (list(range(64)) if config.get("rotation") else [7])
+    assert rel_rms(pallas[:, finite].astype(np.float32), x[:, finite].astype(np.float32)) < 0.02
+
+
+# --- shapes, dtypes, edge cases ---------------------------------------------------------------
+
+
+@functools.cache
+def _shard_mapped(ar: AllReduce, n: int, axis_name: str = AXIS):
+    body = lambda b: ar(b[0], axis_name)[None]
+    return jax.shard_map(body, mesh=mesh_of(n), in_specs=P(AXIS), out_specs=P(AXIS))
+
+
+def _sharded(per_device: np.ndarray, n: int) -> jax.Array:
+    return jax.device_put(per_device, NamedSharding(mesh_of(n), P(AXIS)))
+
+
+SHAPES = [(), (1,), (7,), (3, 5, 7), (3, 1001)]  # 3003 is no multiple of a block or a chunk
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("name", BUILTINS)
+def test_output_shape_and_dtype_match_psum(name: str, dtype, shape: tuple[int, ...]):
+    x = _sharded(np.zeros((2, *shape), dtype), 2)
+    want = jax.eval_shape(_shard_mapped(get_all_reduce("psum"), 2), x)
+    got = jax.eval_shape(_shard_mapped(any_all_reduce(name), 2), x)
+    assert (got.shape, got.dtype) == (want.shape, want.dtype) == ((2, *shape), jnp.dtype(dtype))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("name", ["ring", "naive-int8", "equarx-int8"])
+def test_odd_shapes_are_reduced_elementwise(name: str, shape: tuple[int, ...]):
+    n = 4
+    x = gaussian(n, shape, seed=len(shape))
+    y = run_all_reduce(any_all_reduce(name), x, n)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert_replicas_identical(y)
+    ref = reference_sum(x)
+    if name == "ring":
+        np.testing.assert_allclose(y[0], ref, rtol=1e-6, atol=1e-6)
+    else:  # at most n quantization steps of the largest contribution, per element
+        step = n * np.abs(x).max() / 127
+        np.testing.assert_allclose(y[0], ref, rtol=0, atol=n * step)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_an_axis_of_size_one_returns_the_input_unchanged(name: str):
+    x = gaussian(1, (3, 100))
+    np.testing.assert_array_equal(run_all_reduce(any_all_reduce(name), x, 1), x)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "rotation"), list(itertools.product(("ring", "two-shot"), (None, "hadamard")))
+)
+def test_nonfinite_inputs_stay_in_their_element_or_rotation_block(schedule: str, rotation):
+    n, block = 4, 64
+    x = gaussian(n, (16 * block,), seed=5)
+    x[2, 70], x[2, 200], x[2, 201] = np.nan, np.inf, -np.inf  # blocks 1 and 3
+    ar = equarx(schedule=schedule, rotation=rotation, block_size=block)
+    y = run_all_reduce(ar, x, n)
+    assert_replicas_identical(y)
+    expected_nonfinite = np.zeros(x.shape[1:], bool)
+    if rotation:
+        expected_nonfinite[block : 2 * block] = expected_nonfinite[3 * block : 4 * block] = True
+    else:
+        expected_nonfinite[[70, 200, 201]] = True
+    np.testing.assert_array_equal(~np.isfinite(y[0]), expected_nonfinite)
+    finite = ~expected_nonfinite
+    assert rel_rms(y[:, finite], x[:, finite]) < 0.02
+
+
+@pytest.mark.parametrize(
+    "config", [dict(), dict(schedule="ring", rotation="hadamard", bidirectional=False)]
+)
+def test_all_zero_input_gives_exact_zeros(config: dict):
+    y = run_all_reduce(equarx(**config), np.zeros((4, 3, 700), np.float32), 4)
+    assert (y == 0).all()
+
+
+@pytest.mark.parametrize("name", ["ring", "naive-int8", "equarx-int8"])
+def test_integer_input_raises_type_error(name: str):
+    with pytest.raises(TypeError, match="float"):
+        run_all_reduce(any_all_reduce(name), np.ones((2, 1024), np.int32), 2)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_an_axis_not_in_the_mesh_raises_value_error_naming_it(name: str):
+    x = _sharded(np.ones((2, 16), np.float32), 2)
+    with pytest.raises(ValueError, match="'dp'"):
+        jax.jit(_shard_mapped(any_all_reduce(name), 2, "dp"))(x)
+
+
+# --- the size gate ----------------------------------------------------------------------------
+
+ALL_REDUCE = re.compile(r"\ball-reduce(-start)?\(")
+PERMUTE = re.compile(r"\bcollective-permute(-start)?\(")
+
+
+def test_small_messages_go_to_psum_by_default():
+    n = 4
+    x = gaussian(n, (8, 64))
+    gated = get_all_reduce("equarx-int8")
+    np.testing.assert_array_equal(
+        run_all_reduce(gated, x, n).view(np.uint32),
+        run_all_reduce(get_all_reduce("psum"), x, n).view(np.uint32),
+    )
+    hlo = lower_all_reduce(gated, x, n)
+    assert ALL_REDUCE.search(hlo) and not PERMUTE.search(hlo)
+    hlo = lower_all_reduce(equarx(), x, n)
+    assert PERMUTE.search(hlo) and not ALL_REDUCE.search(hlo)
+
+
+def test_the_gate_passes_messages_of_exactly_min_size_bytes():
+    n, x = 2, gaussian(2, (256,))
+    at_limit = get_all_reduce("equarx-int8", min_size_bytes=256 * 4)
+    above_limit = get_all_reduce("equarx-int8", min_size_bytes=256 * 4 + 1)
+    assert PERMUTE.search(lower_all_reduce(at_limit, x, n))
+    assert ALL_REDUCE.search(lower_all_reduce(above_limit, x, n))
+
+
+# --- bytes on the wire ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_int8_sends_about_half_the_bytes_of_a_16_bit_ring(n: int):
+    elements = (1 << 20) // 2  # 1 MiB of bf16
+    int8 = equarx(block_size=256).wire_bytes(elements, jnp.bfloat16, n)
+    ring = get_all_reduce("ring").wire_bytes(elements, jnp.bfloat16, n)
+    assert 0.5 * ring < int8 <= 0.51 * ring
+    assert int8 == 2 * (n - 1) * elements // n * (256 + 4) // 256  # no padding at this size
+
+
+_ITEMSIZE = {"s8": 1, "u8": 1, "u16": 2, "s16": 2, "bf16": 2, "f16": 2, "f32": 4, "u32": 4}
+_HLO_OP = re.compile(r"= (.*?) (collective-permute|all-reduce)\(")
+_HLO_SHAPE = re.compile(r"\b([a-z]+\d+)\[([\d,]*)\]")
+
+
+def bytes_sent_per_device(hlo: str, n: int) -> int:
+    """What the compiled program sends from each device: every collective-permute's operand, and
+    2 (n-1)/n of every all-reduce's operand (a ring all-reduce)."""
+    total = 0
+    for result_type, op in _HLO_OP.findall(hlo):
+        for dtype, dims in _HLO_SHAPE.findall(result_type):
+            size = _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+            total += size if op == "collective-permute" else base.ring_all_reduce_bytes(size, n)
+    return total
+
+
+@pytest.mark.parametrize(
+    ("ar", "n", "size", "dtype"),
+    [
+        (equarx(), 4, 4096, jnp.bfloat16),
+        (
+            equarx(schedule="ring", rotation="hadamard", bidirectional=False, num_slices=3),
+            8,
+            5000,
+            jnp.float32,
+        ),
+        (equarx(block_size=64), 2, 3500, jnp.float16),
+        (get_all_reduce("equarx-int8"), 4, 4096, jnp.bfloat16),  # gated: a psum
+        (get_all_reduce("ring"), 2, 3500, jnp.bfloat16),
+        (get_all_reduce("ring", schedule="ring"), 8, 7000, jnp.float32),
+        (get_all_reduce("naive-int8"), 8, 4096, jnp.float32),
+        (get_all_reduce("psum"), 4, 4096, jnp.bfloat16),
+        (get_all_reduce("psum-f32"), 4, 4096, jnp.bfloat16),
+    ],
+    ids=lambda v: v.name if isinstance(v, AllReduce) else str(v),
+)
+def test_wire_bytes_is_what_the_compiled_program_sends(ar: AllReduce, n: int, size: int, dtype):
+    # Sizes where every (direction, slice) lane holds some data: XLA may fold away the
+    # collectives of a lane that is all padding, which `wire_bytes` still counts.
+    hlo = lower_all_reduce(ar, np.zeros((n, size), dtype), n)
+    assert ar.wire_bytes(size, dtype, n) == bytes_sent_per_device(hlo, n) > 0
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_nothing_is_sent_over_an_axis_of_size_one(name: str):
+    assert any_all_reduce(name).wire_bytes(4096, jnp.float32, 1) == 0
