@@ -99,15 +99,19 @@ def run_local_processes(
             stderr.seek(0)
             return ProcessOutput(i, stdout.read(), stderr.read())
 
+        def raise_if_failed() -> None:
+            for i, proc in enumerate(procs):
+                if proc.returncode not in (None, 0):
+                    raise RuntimeError(
+                        f"process {i} of {num_processes} ({' '.join(command)}) exited with "
+                        f"{proc.returncode}:\n{output(i).stderr[-4000:]}"
+                    )
+
         deadline = time.monotonic() + timeout_s
         try:
-            while any(proc.poll() is None for proc in procs):
-                for i, proc in enumerate(procs):
-                    if proc.returncode not in (None, 0):
-                        raise RuntimeError(
-                            f"process {i} of {num_processes} ({' '.join(command)}) exited with "
-                            f"{proc.returncode}:\n{output(i).stderr[-4000:]}"
-                        )
+            # A failed process fails the run at once: its peers would wait for it until timeout.
+            while any([proc.poll() is None for proc in procs]):  # a list: poll every one
+                raise_if_failed()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"{num_processes} processes did not finish in {timeout_s:.0f}s"
@@ -118,12 +122,7 @@ def run_local_processes(
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
-        for i, proc in enumerate(procs):
-            if proc.returncode != 0:
-                raise RuntimeError(
-                    f"process {i} of {num_processes} ({' '.join(command)}) exited with "
-                    f"{proc.returncode}:\n{output(i).stderr[-4000:]}"
-                )
+        raise_if_failed()
         return [output(i) for i in range(num_processes)]
 
 

@@ -6,6 +6,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from equarx_serve import multiprocess
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
@@ -24,3 +26,34 @@ def test_two_processes_over_gloo_agree_bit_for_bit():
         assert first["sha256"] == second["sha256"], name
         assert first["rel_rms"] == second["rel_rms"] < max_error, name
     assert reports[0]["equarx-int8"]["rel_rms"] > 1e-4  # it did quantize
+
+
+def _python(tmp_path: Path, code: str) -> list[str]:
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    return [sys.executable, str(script)]
+
+
+def test_children_output_of_any_size_is_collected(tmp_path):
+    # More than a pipe buffer (64 KiB): must not block the children.
+    command = _python(tmp_path, "import sys; sys.stdout.write('x' * 300_000)")
+    outputs = multiprocess.run_local_processes(command, 2, timeout_s=30)
+    assert [len(out.stdout) for out in outputs] == [300_000, 300_000]
+
+
+def test_a_failing_process_fails_the_run_with_its_stderr(tmp_path):
+    command = _python(
+        tmp_path,
+        "import sys\n"
+        "if sys.argv[sys.argv.index('--process-id') + 1] == '1':\n"
+        "    sys.exit('worker 1 broke')\n"
+        "import time; time.sleep(60)\n",
+    )
+    with pytest.raises(RuntimeError, match=r"process 1 of 2 .* exited with 1:\nworker 1 broke"):
+        multiprocess.run_local_processes(command, 2, timeout_s=30)
+
+
+def test_processes_past_the_timeout_are_stopped(tmp_path):
+    command = _python(tmp_path, "import time; time.sleep(60)")
+    with pytest.raises(TimeoutError, match="did not finish in 1s"):
+        multiprocess.run_local_processes(command, 2, timeout_s=1)
