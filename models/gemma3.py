@@ -1,0 +1,577 @@
+"""Tensor-parallel (Megatron) Gemma 3 text model in Flax linen, on a pluggable all-reduce.
+
+The parameter tree is exactly `gemma.gm.nn.Transformer`'s (names, shapes, layouts), so gemma
+checkpoints load as they are, and the forward pass mirrors gemma's op by op (same dtypes:
+everything is computed in the parameter dtype, as gemma does).
+
+Tensor parallelism over a mesh axis "tp" of size T (`param_partition_specs`):
+  - embedding (tied input/output table), every norm scale: replicated;
+  - `q_einsum` / `qkv_einsum` [.., N, D, H] and `mlp/gating_einsum`: column-parallel, split on
+    the query-head and hidden axes (N / T heads, F / T hidden units per device);
+  - `kv_einsum` [2, K, D, H]: split on K when T divides K, replicated otherwise (then every
+    device computes all K key/value heads and attends with the one its query heads use);
+  - `attn_vec_einsum` [N, H, D] and `mlp/linear` [F, D]: row-parallel, each device computes a
+    partial [B, L, D] sum that the pluggable all-reduce completes: the only two collectives of
+    a layer and of the whole forward pass.
+
+The Flax modules below are written for one device's shard (their sizes are the local ones) and
+run inside `jax.shard_map`; `TensorParallelGemma3` wraps them in `jit(shard_map(...))`:
+
+    model = TensorParallelGemma3(get_config("tiny"), mesh, all_reduce="equarx-int8")
+    params = model.shard_params(params)  # the gemma tree, placed by param_partition_specs
+    out = model(params, tokens, input_mask)  # out.logits [B, L, V]; out.cache["layer_0"]["k"]
+
+Padding follows gemma: `input_mask` (default `tokens != 0`) marks real tokens; positions count
+real tokens only, and attention is causal over real tokens (prompts may be padded on either
+side). Logits at padded positions are computed as gemma computes them (meaningless). One
+deliberate difference: `last_only` picks each prompt's last real token, where gemma picks index
+sum(input_mask) - 1 (the same for right-padded prompts, wrong for left-padded ones).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+from flax import linen as nn
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx_serve.collectives import AllReduce, get_all_reduce
+from models.config import AttentionType, Gemma3Config
+
+K_MASK = -2.3819763e38  # gemma's masked-logit value
+AXIS = "tp"
+
+LayerCache = dict[str, jax.Array]  # {"k", "v"}: [B, L, K_local, H], after QK-norm and RoPE
+Params = dict[str, Any]
+
+
+# -- Tensor-parallel layout ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardLayout:
+    """Sizes on one device for tensor-parallel degree `tp`.
+
+    Attributes:
+      tp: Devices on the tensor-parallel axis.
+      num_heads: Query heads per device, N / tp.
+      num_kv_heads: Key/value heads each device computes: K / tp when sharded, else K.
+      kv_sharded: Whether the key/value heads are split over devices (tp divides K).
+      hidden_dim: MLP hidden units per device, F / tp.
+    """
+
+    tp: int
+    num_heads: int
+    num_kv_heads: int
+    kv_sharded: bool
+    hidden_dim: int
+
+    @classmethod
+    def create(cls, config: Gemma3Config, tp: int) -> ShardLayout:
+        """The layout, or a ValueError when `config` cannot be split `tp` ways."""
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"the tensor-parallel degree must be an int >= 1, got {tp!r}")
+        if config.num_heads % tp:
+            raise ValueError(
+                f"the tensor-parallel degree {tp} must divide num_heads ({config.num_heads})"
+            )
+        if config.hidden_dim % tp:
+            raise ValueError(
+                f"the tensor-parallel degree {tp} must divide hidden_dim ({config.hidden_dim})"
+            )
+        kv_sharded = config.num_kv_heads % tp == 0
+        if not kv_sharded and tp % config.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({config.num_kv_heads}) and the tensor-parallel degree {tp} must "
+                "divide one another (KV heads are sharded, or replicated with each device's "
+                "query heads sharing one of them)"
+            )
+        return cls(
+            tp=tp,
+            num_heads=config.num_heads // tp,
+            num_kv_heads=config.num_kv_heads // tp if kv_sharded else config.num_kv_heads,
+            kv_sharded=kv_sharded,
+            hidden_dim=config.hidden_dim // tp,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """A leaf of the parameter layout: global shape, partition spec, init fan-in (None: a norm
+    scale)."""
+
+    shape: tuple[int, ...]
+    spec: P
+    fan_in: int | None
+
+
+def _param_layout(config: Gemma3Config, tp: int, axis_name: str) -> Params:
+    """The gemma parameter tree with a `_Param` at every leaf."""
+    layout = ShardLayout.create(config, tp)
+    n, k, d, h, f = (
+        config.num_heads,
+        config.num_kv_heads,
+        config.embed_dim,
+        config.head_dim,
+        config.hidden_dim,
+    )
+    kv_axis = axis_name if layout.kv_sharded else None
+    norm = lambda dim: {"scale": _Param((dim,), P(), None)}
+
+    attn: Params = {}
+    if n == k:  # gemma fuses q, k and v into one einsum when there are as many KV heads as heads
+        attn["qkv_einsum"] = {"w": _Param((3, n, d, h), P(None, axis_name, None, None), d)}
+    else:
+        attn["q_einsum"] = {"w": _Param((n, d, h), P(axis_name, None, None), d)}
+        attn["kv_einsum"] = {"w": _Param((2, k, d, h), P(None, kv_axis, None, None), d)}
+    attn["attn_vec_einsum"] = {"w": _Param((n, h, d), P(axis_name, None, None), n * h)}
+    if config.use_qk_norm:
+        attn["_query_norm"] = norm(h)
+        attn["_key_norm"] = norm(h)
+
+    if config.transpose_gating_einsum:
+        gating = _Param((2, f, d), P(None, axis_name, None), d)
+    else:
+        gating = _Param((2, d, f), P(None, None, axis_name), d)
+    layer: Params = {
+        "pre_attention_norm": norm(d),
+        "attn": attn,
+        "pre_ffw_norm": norm(d),
+        "mlp": {"gating_einsum": gating, "linear": _Param((f, d), P(axis_name, None), f)},
+    }
+    if config.use_post_attn_norm:
+        layer["post_attention_norm"] = norm(d)
+    if config.use_post_ffw_norm:
+        layer["post_ffw_norm"] = norm(d)
+
+    return {
+        "embedder": {"input_embedding": _Param((config.vocab_size, d), P(), d)},
+        **{f"layer_{i}": layer for i in range(config.num_layers)},
+        "final_norm": norm(d),
+    }
+
+
+def param_shapes(config: Gemma3Config) -> Params:
+    """The global shape of every parameter, in gemma's tree."""
+    return jax.tree.map(lambda p: p.shape, _param_layout(config, 1, AXIS))
+
+
+def param_partition_specs(config: Gemma3Config, tp: int, *, axis_name: str = AXIS) -> Params:
+    """A `PartitionSpec` for every parameter (the tree of `param_shapes`), for degree `tp`.
+
+    Raises ValueError when the model cannot be split `tp` ways (see `ShardLayout.create`).
+    """
+    return jax.tree.map(lambda p: p.spec, _param_layout(config, tp, axis_name))
+
+
+def cache_partition_spec(config: Gemma3Config, tp: int, *, axis_name: str = AXIS) -> P:
+    """The spec of every cache array [B, L, K, H]: split on K when the KV heads are sharded."""
+    kv_sharded = ShardLayout.create(config, tp).kv_sharded
+    return P(None, None, axis_name if kv_sharded else None, None)
+
+
+def init_params(
+    config: Gemma3Config,
+    key: jax.Array,
+    dtype: jnp.dtype = jnp.float32,
+    *,
+    norm_scale_std: float = 0.1,
+) -> Params:
+    """Random parameters for random-init test models: weights N(0, 1 / fan_in) (so activations
+    and logits are O(1)), norm scales N(0, norm_scale_std^2) (so that tests exercise the
+    `1 + scale` of RMSNorm; a freshly trained model would start from zeros)."""
+    layout = _param_layout(config, 1, AXIS)
+    leaves, treedef = jax.tree.flatten(layout)
+    keys = jax.random.split(key, len(leaves))
+    values = [
+        jax.random.normal(k, p.shape, jnp.float32)
+        * (norm_scale_std if p.fan_in is None else p.fan_in**-0.5)
+        for k, p in zip(keys, leaves, strict=True)
+    ]
+    return jax.tree.unflatten(treedef, [v.astype(dtype) for v in values])
+
+
+# -- Masks and positions (as gemma builds them) -------------------------------------------------
+
+
+def positions_from_mask(input_mask: jax.Array) -> jax.Array:
+    """[B, L] bool -> [B, L] int: the index of each real token among its sequence's real
+    tokens (padding gets its neighbour's; it does not matter)."""
+    positions = jnp.cumsum(input_mask, axis=-1)
+    return positions - (positions >= 1)
+
+
+def causal_attention_mask(input_mask: jax.Array) -> jax.Array:
+    """[B, L] bool -> [B, L, L] bool: query t sees real tokens s <= t."""
+    seq_len = input_mask.shape[-1]
+    causal = jnp.tril(jnp.ones((seq_len, seq_len), dtype=jnp.bool_))
+    return input_mask[:, None, :] * causal[None, :, :]
+
+
+def sliding_window_mask(positions: jax.Array, window: int) -> jax.Array:
+    """[B, L] positions -> [B, L, L] bool: key positions within (q - window, q + window)."""
+    key_positions = positions[:, None, :]  # B 1 S
+    query_positions = positions[:, :, None]  # B T 1
+    mask = key_positions > query_positions - window
+    return mask * (key_positions < query_positions + window)
+
+
+def mask_from_lengths(lengths: jax.Array, seq_len: int) -> jax.Array:
+    """[B] prompt lengths -> [B, seq_len] bool input mask of right-padded prompts."""
+    return jnp.arange(seq_len)[None, :] < jnp.asarray(lengths)[:, None]
+
+
+def last_token_index(input_mask: jax.Array) -> jax.Array:
+    """[B, L] bool -> [B]: the index of each sequence's last real token (0 if none). gemma
+    takes sum(input_mask) - 1, which is the same for right-padded prompts only."""
+    seq_len = input_mask.shape[-1]
+    return jnp.max(jnp.where(input_mask, jnp.arange(seq_len), 0), axis=-1)
+
+
+def apply_rope(
+    x: jax.Array, positions: jax.Array, *, base_frequency: int, scale_factor: float
+) -> jax.Array:
+    """Rotary embedding of x [B, L, N, H] at positions [B, L] (gemma's half-split layout)."""
+    head_dim = x.shape[-1]
+    freq_exponents = (2.0 / head_dim) * jnp.arange(0, head_dim // 2, dtype=jnp.float32)
+    timescale = base_frequency**freq_exponents  # [H/2]
+    sinusoid = positions[..., None] / timescale[None, None, :]  # [B, L, H/2]
+    sinusoid = sinusoid[..., None, :] / scale_factor  # [B, L, 1, H/2]
+    sin, cos = jnp.sin(sinusoid), jnp.cos(sinusoid)
+    first_half, second_half = jnp.split(x, 2, axis=-1)
+    first = first_half * cos - second_half * sin
+    second = second_half * cos + first_half * sin
+    return jnp.concatenate([first, second], axis=-1).astype(x.dtype)
+
+
+# -- Layers (local shard shapes) ----------------------------------------------------------------
+
+
+class Einsum(nn.Module):
+    """A weight of `shape` applied with an einsum equation given at call time."""
+
+    shape: tuple[int, ...]
+    weight_name: str = "w"
+
+    @nn.compact
+    def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
+        w = self.param(self.weight_name, nn.initializers.normal(), self.shape)
+        return jnp.einsum(eqn, x, w)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, scaled by (1 + scale)."""
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1],))
+        var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        normed = x * lax.rsqrt(var + 1e-06)
+        scale = jnp.expand_dims(scale, axis=range(x.ndim - 1))
+        return normed * (1 + scale)
+
+
+class Embedder(nn.Module):
+    """The tied embedding table [V, D], replicated on every device."""
+
+    vocab_size: int
+    embed_dim: int
+
+    def setup(self):
+        self.input_embedding_table = self.param(
+            "input_embedding", nn.initializers.normal(), (self.vocab_size, self.embed_dim)
+        )
+
+    def encode(self, tokens: jax.Array) -> jax.Array:
+        """[B, L] tokens -> [B, L, D], scaled by sqrt(D)."""
+        x = self.input_embedding_table[(tokens,)]
+        return x * jnp.sqrt(self.embed_dim).astype(x.dtype)
+
+    def decode(self, x: jax.Array) -> jax.Array:
+        """[..., D] -> [..., V] logits."""
+        return jnp.einsum("...D,VD->...V", x, self.input_embedding_table)
+
+
+class Attention(nn.Module):
+    """This device's query heads (and KV heads, when sharded); the output projection is
+    row-parallel and all-reduced."""
+
+    config: Gemma3Config
+    layout: ShardLayout
+    attn_type: AttentionType
+    all_reduce: AllReduce
+    axis_name: str
+
+    def setup(self):
+        c, lay = self.config, self.layout
+        self.use_qkv_einsum = c.num_heads == c.num_kv_heads
+        if self.use_qkv_einsum:
+            self.qkv_einsum = Einsum((3, lay.num_heads, c.embed_dim, c.head_dim))
+        else:
+            self.q_einsum = Einsum((lay.num_heads, c.embed_dim, c.head_dim))
+            self.kv_einsum = Einsum((2, lay.num_kv_heads, c.embed_dim, c.head_dim))
+        self.attn_vec_einsum = Einsum((lay.num_heads, c.head_dim, c.embed_dim))
+        if c.use_qk_norm:
+            self._query_norm = RMSNorm()
+            self._key_norm = RMSNorm()
+
+    def _kv_for_local_heads(self, kv: jax.Array) -> jax.Array:
+        """[B, S, K_local, H] -> the KV heads this device's query heads use. Replicated KV
+        heads: every device holds them all; its N / T query heads share the one at index
+        (device * N / T) // (N / K) = device // (T / K)."""
+        if self.layout.kv_sharded:
+            return kv
+        index = lax.axis_index(self.axis_name) // (self.layout.tp // self.config.num_kv_heads)
+        return lax.dynamic_slice_in_dim(kv, index, 1, axis=2)
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, attn_mask: jax.Array
+    ) -> tuple[LayerCache, jax.Array]:
+        """x [B, L, D], positions [B, L], attn_mask [B, L, L] -> (cache, [B, L, D])."""
+        c = self.config
+        local = self.attn_type == AttentionType.LOCAL_SLIDING
+        rope = dict(
+            base_frequency=c.local_base_frequency if local else c.global_base_frequency,
+            scale_factor=c.local_scale_factor if local else c.global_scale_factor,
+        )
+        if self.use_qkv_einsum:
+            # [B, L, N, H] each
+            query, key, value = self.qkv_einsum("BTD,CNDH->CBTNH", x)
+        else:
+            query = self.q_einsum("BTD,NDH->BTNH", x)  # [B, L, N, H]
+            key, value = self.kv_einsum("BSD,CKDH->CBSKH", x)  # [B, L, K, H] each
+
+        if c.use_qk_norm:
+            query = self._query_norm(query)
+            key = self._key_norm(key)
+        query = apply_rope(query, positions, **rope) * c.query_scale
+        key = apply_rope(key, positions, **rope)
+        cache = {"k": key, "v": value}
+
+        # Grouped attention: the N query heads as K groups of G = N / K heads.
+        attn_key = self._kv_for_local_heads(key)  # [B, S, K, H]
+        attn_value = self._kv_for_local_heads(value)  # [B, S, K, H]
+        b, t, n, h = query.shape
+        k = attn_key.shape[2]
+        grouped_query = query.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
+        logits = jnp.einsum("BTKGH,BSKH->BTKGS", grouped_query, attn_key)
+        logits = logits.reshape(b, t, n, -1)  # [B, T, N, S]
+
+        if c.attn_logits_softcap is not None:
+            logits = jnp.tanh(logits / c.attn_logits_softcap) * c.attn_logits_softcap
+        if local:
+            attn_mask = attn_mask * sliding_window_mask(positions, c.sliding_window_size)
+        logits = jnp.where(attn_mask[:, :, None, :], logits, K_MASK)  # [B, T, N, S]
+        probs = jax.nn.softmax(logits, axis=-1).astype(attn_key.dtype)
+
+        probs = probs.reshape(b, t, k, n // k, -1)  # [B, T, K, G, S]
+        encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, attn_value)
+        encoded = encoded.reshape(b, t, n, h)  # [B, T, N, H]
+
+        # Row-parallel: this device's heads' share of the output, summed over devices.
+        partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded)  # [B, T, D]
+        return cache, self.all_reduce(partial, self.axis_name)
+
+
+class FeedForward(nn.Module):
+    """Gated GELU MLP on this device's hidden units; the down projection is row-parallel and
+    all-reduced."""
+
+    config: Gemma3Config
+    layout: ShardLayout
+    all_reduce: AllReduce
+    axis_name: str
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, L, D] -> [B, L, D]."""
+        d, f = self.config.embed_dim, self.layout.hidden_dim
+        init = nn.initializers.normal()
+        if self.config.transpose_gating_einsum:
+            w_gating = self.param("gating_einsum", init, (2, f, d))
+            gate = jnp.einsum("BTD,CFD->BTCF", x, w_gating)  # [B, T, 2, F]
+        else:
+            w_gating = self.param("gating_einsum", init, (2, d, f))
+            gate = jnp.einsum("BTD,CDF->BTCF", x, w_gating)  # [B, T, 2, F]
+        activations = nn.gelu(gate[..., 0, :]) * gate[..., 1, :]  # [B, T, F]
+
+        w_linear = self.param("linear", init, (f, d))
+        partial = jnp.einsum("BTF,FD->BTD", activations, w_linear)  # [B, T, D]
+        return self.all_reduce(partial, self.axis_name)
+
+
+class Block(nn.Module):
+    """Pre-norm attention and MLP, each with a post-norm before its residual add."""
+
+    config: Gemma3Config
+    layout: ShardLayout
+    attn_type: AttentionType
+    all_reduce: AllReduce
+    axis_name: str
+
+    def setup(self):
+        c = self.config
+        self.pre_attention_norm = RMSNorm()
+        self.attn = Attention(c, self.layout, self.attn_type, self.all_reduce, self.axis_name)
+        self.post_attention_norm = RMSNorm() if c.use_post_attn_norm else None
+        self.pre_ffw_norm = RMSNorm()
+        self.mlp = FeedForward(c, self.layout, self.all_reduce, self.axis_name)
+        self.post_ffw_norm = RMSNorm() if c.use_post_ffw_norm else None
+
+    def __call__(
+        self, x: jax.Array, positions: jax.Array, attn_mask: jax.Array
+    ) -> tuple[LayerCache, jax.Array]:
+        """x [B, L, D] (replicated) -> (cache, [B, L, D] replicated)."""
+        cache, attn_output = self.attn(self.pre_attention_norm(x), positions, attn_mask)
+        if self.post_attention_norm is not None:
+            attn_output = self.post_attention_norm(attn_output)
+        attn_output = attn_output + x
+
+        outputs = self.mlp(self.pre_ffw_norm(attn_output))
+        if self.post_ffw_norm is not None:
+            outputs = self.post_ffw_norm(outputs)
+        return cache, outputs + attn_output
+
+
+class Gemma3Shard(nn.Module):
+    """One device's part of the tensor-parallel model; call inside `jax.shard_map` with the
+    local shards of the gemma parameter tree."""
+
+    config: Gemma3Config
+    layout: ShardLayout
+    all_reduce: AllReduce
+    axis_name: str = AXIS
+
+    def setup(self):
+        c = self.config
+        self.embedder = Embedder(c.vocab_size, c.embed_dim)
+        self.blocks = [
+            Block(c, self.layout, attn_type, self.all_reduce, self.axis_name, name=f"layer_{i}")
+            for i, attn_type in enumerate(c.attention_types)
+        ]
+        self.final_norm = RMSNorm()
+
+    def __call__(
+        self, tokens: jax.Array, input_mask: jax.Array, *, last_only: bool = False
+    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        """tokens, input_mask [B, L] -> (logits [B, L, V], or [B, V] at each sequence's last
+        real token when last_only; {"layer_i": {"k", "v"}}, local [B, L, K_local, H])."""
+        x = self.embedder.encode(tokens)  # [B, L, D]
+        positions = positions_from_mask(input_mask)  # [B, L]
+        attn_mask = causal_attention_mask(input_mask)  # [B, L, L]
+        cache = {}
+        for i, block in enumerate(self.blocks):
+            cache[f"layer_{i}"], x = block(x, positions, attn_mask)
+        x = self.final_norm(x)
+
+        if last_only:
+            x = x[jnp.arange(x.shape[0]), last_token_index(input_mask)]  # [B, D]
+        logits = self.embedder.decode(x)  # [B, (L,) V]
+        if self.config.final_logit_softcap is not None:
+            cap = self.config.final_logit_softcap
+            logits = jnp.tanh(logits / cap) * cap
+        return logits, cache
+
+
+# -- The tensor-parallel forward pass -----------------------------------------------------------
+
+
+@flax.struct.dataclass
+class Gemma3Output:
+    """logits: [B, L, V], or [B, V] with last_only (replicated).
+    cache: {"layer_i": {"k", "v"}}, each [B, L, K, H] after QK-norm/RoPE (k) in the parameter
+    dtype, split over "tp" on K when the KV heads are sharded, else replicated."""
+
+    logits: jax.Array
+    cache: dict[str, LayerCache]
+
+
+class TensorParallelGemma3:
+    """Gemma 3 prefill, tensor-parallel over `mesh` axis `axis_name`, reducing row-parallel
+    outputs with `all_reduce` (a registered name, e.g. "psum", "equarx-int8", or an instance).
+
+    Compiled functions are cached per instance (one per `last_only`, retraced per input
+    shape/dtype), so reuse an instance.
+    """
+
+    def __init__(
+        self,
+        config: Gemma3Config,
+        mesh: Mesh,
+        all_reduce: str | AllReduce = "psum",
+        *,
+        axis_name: str = AXIS,
+    ):
+        if axis_name not in mesh.axis_names:
+            raise ValueError(f"mesh has no axis {axis_name!r}; its axes: {mesh.axis_names}")
+        self.config = config
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.tp = mesh.shape[axis_name]
+        self.layout = ShardLayout.create(config, self.tp)
+        self.all_reduce = get_all_reduce(all_reduce)
+        self.param_specs = param_partition_specs(config, self.tp, axis_name=axis_name)
+        self.cache_spec = cache_partition_spec(config, self.tp, axis_name=axis_name)
+        self._module = Gemma3Shard(config, self.layout, self.all_reduce, axis_name)
+        self._forward = {last_only: self._build(last_only) for last_only in (False, True)}
+
+    def param_shardings(self) -> Params:
+        """A NamedSharding for every parameter."""
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs)
+
+    def shard_params(self, params: Params) -> Params:
+        """Places (global) parameters on the mesh as `param_partition_specs` says."""
+        return jax.device_put(params, self.param_shardings())
+
+    def _build(self, last_only: bool):
+        cache_specs = {
+            f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
+            for i in range(self.config.num_layers)
+        }
+
+        def shard_forward(params, tokens, input_mask):
+            return self._module.apply({"params": params}, tokens, input_mask, last_only=last_only)
+
+        # check_vma=False: ring all-reduces built from ppermute return replicated values that
+        # the varying-manual-axes check cannot prove replicated (out_specs P()).
+        sharded = jax.shard_map(
+            shard_forward,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, P(), P()),
+            out_specs=(P(), cache_specs),
+            check_vma=False,
+        )
+
+        def forward(params, tokens, input_mask):
+            logits, cache = sharded(params, tokens, input_mask)
+            return Gemma3Output(logits=logits, cache=cache)
+
+        return jax.jit(forward)
+
+    def __call__(
+        self,
+        params: Params,
+        tokens: jax.Array,
+        input_mask: jax.Array | None = None,
+        *,
+        last_only: bool = False,
+    ) -> Gemma3Output:
+        """tokens [B, L] int, input_mask [B, L] bool (default: tokens != 0, gemma's padding
+        id) -> logits and KV cache (see `Gemma3Output`)."""
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be [B, L] integers, got {tokens.dtype}{tokens.shape}")
+        if input_mask is None:
+            input_mask = tokens != 0
+        input_mask = jnp.asarray(input_mask, dtype=jnp.bool_)
+        if input_mask.shape != tokens.shape:
+            raise ValueError(
+                f"input_mask {input_mask.shape} must have the shape of tokens {tokens.shape}"
+            )
+        return self._forward[bool(last_only)](params, tokens, input_mask)
