@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from models.config import get_config
+
 __all__ = [
     "GEMMA3_270M",
     "GGUF_MAGIC",
@@ -83,20 +85,21 @@ class Gemma3Hparams:
     rms_norm_eps: float
 
 
-# Gemma 3 270M, as `gm.nn.Gemma3_270M.config` has it (the tests check the two agree) and as
-# the model card gives the context length.
+# Gemma 3 270M: the architecture from models/config.py (checked against the gemma library by
+# the tests), plus what only the file and the model card give.
+_CONFIG_270M = get_config("gemma3-270m")
 GEMMA3_270M = Gemma3Hparams(
-    num_layers=18,
-    embed_dim=640,
-    hidden_dim=2048,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=256,
-    vocab_size=262_144,
+    num_layers=_CONFIG_270M.num_layers,
+    embed_dim=_CONFIG_270M.embed_dim,
+    hidden_dim=_CONFIG_270M.hidden_dim,
+    num_heads=_CONFIG_270M.num_heads,
+    num_kv_heads=_CONFIG_270M.num_kv_heads,
+    head_dim=_CONFIG_270M.head_dim,
+    vocab_size=_CONFIG_270M.vocab_size,
     context_length=32_768,
-    sliding_window=512,
-    global_rope_base=1_000_000.0,
-    local_rope_base=10_000.0,  # not in the GGUF file: gemma's default
+    sliding_window=_CONFIG_270M.sliding_window_size,
+    global_rope_base=float(_CONFIG_270M.global_base_frequency),
+    local_rope_base=float(_CONFIG_270M.local_base_frequency),  # not in the GGUF file
     rms_norm_eps=1e-6,
 )
 
