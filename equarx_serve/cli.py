@@ -2,6 +2,9 @@
 
     equarx-serve bench allreduce [--devices N ... | --processes N ...] [--sizes ...]
                                  [--methods ...] [--repeats R] [--json PATH] [--plot PATH]
+    equarx-serve bench prefill [--model NAME] [--tp N | --processes N] [--batch B]
+                               [--seq-lens ...] [--methods ...] [--repeats R]
+                               [--checkpoint PATH --tokenizer PATH] [--json PATH] [--plot PATH]
     equarx-serve demo [--out-dir DIR]
 
 Commands import JAX only when they run, so `equarx-serve --help` starts fast.
@@ -14,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from equarx_serve.bench import allreduce
+from equarx_serve.bench import allreduce, prefill
 
 DEMO_DIR = Path("bench-results")
 # The demo compares EQuARX's schedules and rotation against every registered all-reduce.
@@ -23,6 +26,10 @@ DEMO_EXTRA_METHODS = ("equarx-int8:schedule=ring", "equarx-int8:rotation=hadamar
 
 def _bench_allreduce(args: argparse.Namespace) -> int:
     return allreduce.run(allreduce.config_from_args(args))
+
+
+def _bench_prefill(args: argparse.Namespace) -> int:
+    return prefill.run(prefill.config_from_args(args))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -60,6 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     allreduce.add_arguments(bench_allreduce)
     bench_allreduce.set_defaults(handler=_bench_allreduce, command_parser=bench_allreduce)
+    bench_prefill = benchmarks.add_parser(
+        "prefill",
+        help="tensor-parallel Gemma 3 prefill latency per all-reduce method",
+        description=prefill.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    prefill.add_arguments(bench_prefill)
+    bench_prefill.set_defaults(handler=_bench_prefill, command_parser=bench_prefill)
 
     demo = commands.add_parser(
         "demo", help="the main job end to end (now: the all-reduce benchmark)"

@@ -114,7 +114,7 @@ class BenchConfig:
     seed: int = 0
 
 
-def _resolve_methods(methods: Sequence[MethodSpec] | None) -> list[dict[str, object]]:
+def resolve_methods(methods: Sequence[MethodSpec] | None) -> list[dict[str, object]]:
     """Checks names and options against the registry (imports JAX); UsageError if invalid."""
     from equarx_serve.collectives import get_all_reduce, list_all_reduces
 
@@ -298,7 +298,7 @@ def run(config: BenchConfig) -> int:
     Returns the exit code: 1 when a worker fails (its error is printed), else 0."""
     from tqdm import tqdm
 
-    methods = _resolve_methods(config.methods)
+    methods = resolve_methods(config.methods)
     results: list[dict[str, object]] = []
     total = len(config.meshes) * len(config.sizes) * len(methods)
     with tqdm(total=total, unit="method", desc="all-reduce bench") as bar:
@@ -326,7 +326,7 @@ def run(config: BenchConfig) -> int:
     return 0
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
+def int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < minimum:
             raise ValueError(f"invalid value {text!r}: must be an integer >= {minimum}")
@@ -335,7 +335,7 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     """`parse` for argparse: its ValueError message becomes the usage error."""
 
     def argument_type(text: str) -> object:
@@ -352,7 +352,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--devices",
         nargs="+",
-        type=_argument_type(_int_at_least(2)),
+        type=argument_type(int_at_least(2)),
         default=[],
         metavar="N",
         help="one process with N host CPU devices (several N: one mesh each)",
@@ -360,7 +360,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--processes",
         nargs="+",
-        type=_argument_type(_int_at_least(2)),
+        type=argument_type(int_at_least(2)),
         default=[],
         metavar="N",
         help="N local processes, one CPU device each, gloo (default: 2)",
@@ -368,7 +368,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sizes",
         nargs="+",
-        type=_argument_type(parse_size),
+        type=argument_type(parse_size),
         metavar="SIZE",
         default=[parse_size(s) for s in DEFAULT_SIZES],
         help=f"bytes per device, e.g. 65536 64KiB 16MiB (default: {' '.join(DEFAULT_SIZES)})",
@@ -376,13 +376,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        type=_argument_type(parse_method),
+        type=argument_type(parse_method),
         metavar="METHOD",
         help="all-reduces, each NAME or NAME:key=value,... (default: every registered one)",
     )
     parser.add_argument(
         "--repeats",
-        type=_argument_type(_int_at_least(1)),
+        type=argument_type(int_at_least(1)),
         metavar="R",
         help="timed calls per method and size (default: adaptive, ~0.5 s per method, 5 to 50)",
     )

@@ -1,0 +1,414 @@
+"""`equarx-serve bench prefill`: tensor-parallel Gemma 3 prefill latency per all-reduce method.
+
+For every sequence length, one worker run (`prefill_worker.py`, which documents exactly what
+is timed) loads the model (bf16 parameters), shards it over TP devices (one process with TP
+host CPU devices, or `--processes N`: N local processes over gloo, TP = N) and times the
+prefill of `batch` random prompts (logits at the last token) with every method, interleaved.
+Reported per row:
+
+  median ms     of the timed prefills (p10 and p90 too), the slowest process's time
+  speed-up      psum's median / this method's median
+  AR share      MEASURED: (t_method - t_no_reduce) / t_method, where NO-REDUCE is the same
+                program with every all-reduce replaced by the identity (the compute alone)
+  gated         the method sent a message this size to plain psum (equarx-int8's
+                min_size_bytes gate; pass e.g. equarx-int8:min_size_bytes=0 to turn it off)
+  wire MiB      bytes each device sends per prefill, from the compiled HLO (XLA:CPU widens
+                bf16 all-reduces to f32), and the model's reductions (2 per layer)
+  logits        relative RMS and top-1 agreement of the last-token logits against psum
+
+PROJECTION (not measured): t_proj = t_no_reduce (measured here) + wire bytes / link bandwidth,
+with the wire bytes of the program before XLA:CPU's widening (bf16 all-reduces as bf16), for the
+links in `LINKS`. It ignores the device cost of quantizing, per-message latency and any
+overlap of communication with compute, and takes the CPU's compute time as the device's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from equarx_serve.bench.allreduce import (
+    MethodSpec,
+    UsageError,
+    argument_type,
+    int_at_least,
+    parse_method,
+    resolve_methods,
+)
+
+DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_SEQ_LENS = (128, 512, 2048)
+MAX_SEQ_LEN = 4096
+DEFAULT_METHODS = ("psum", "equarx-int8:min_size_bytes=0")
+BASELINE = "psum"
+WORKER_TIMEOUT_S = 3600.0
+
+# Link bandwidth per direction, bytes/s, for the PROJECTION.
+LINKS = {
+    "TPU v5e ICI": {
+        "bytes_per_s": 45e9,
+        "note": "ASSUMPTION: ~45 GB/s per direction per ICI link",
+    },
+    "NVLink 4 (H100)": {"bytes_per_s": 450e9, "note": "450 GB/s per direction"},
+    "PCIe Gen4 x16": {"bytes_per_s": 25e9, "note": "~25 GB/s per direction"},
+}
+PROJECTION_NOTE = (
+    "PROJECTION, not a measurement: t_proj = t_no_reduce measured on this CPU + comm, "
+    "comm = wire bytes (bf16 all-reduces counted as bf16) / link bandwidth. Ignores the "
+    "device's cost of quantizing, per-message latency and communication/compute overlap; "
+    "the CPU's compute time stands in for the device's (an accelerator computes far faster, "
+    "so comm is a larger share there: combine comm ms with a device's own compute time)."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillBenchConfig:
+    """What `run` measures; `repeats=None` is adaptive (see `prefill_worker.py`)."""
+
+    model: str = DEFAULT_MODEL
+    tp: int = 2
+    processes: int | None = None  # N local processes (tp = N); None: one process, tp devices
+    batch: int = 1
+    seq_lens: tuple[int, ...] = DEFAULT_SEQ_LENS
+    methods: tuple[MethodSpec, ...] = ()
+    repeats: int | None = None
+    checkpoint: Path | None = None
+    tokenizer: Path | None = None
+    json_path: Path | None = None
+    plot_path: Path | None = None
+    seed: int = 0
+
+
+def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
+    """Checks the settings (imports JAX); UsageError if invalid. Returns the methods."""
+    from models.config import get_config
+    from models.gemma3 import ShardLayout
+
+    try:
+        model_config = get_config(config.model)
+        ShardLayout.create(model_config, config.tp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if (config.checkpoint is None) != (config.tokenizer is None):
+        raise UsageError("--checkpoint and --tokenizer go together")
+    methods = resolve_methods(config.methods)
+    if BASELINE not in [m["label"] for m in methods]:
+        raise UsageError(f"the methods must include {BASELINE!r} (the baseline)")
+    return methods
+
+
+def _run_worker(
+    seq_len: int, methods: list[dict[str, object]], config: PrefillBenchConfig
+) -> dict[str, object]:
+    """One worker run for one sequence length; the parsed result."""
+    from equarx_serve import multiprocess
+    from equarx_serve.bench import prefill_worker
+
+    command = prefill_worker.command(
+        config.model,
+        methods,
+        seq_len=seq_len,
+        batch=config.batch,
+        devices=None if config.processes else config.tp,
+        repeats=config.repeats,
+        seed=config.seed,
+        checkpoint=config.checkpoint,
+        tokenizer=config.tokenizer,
+    )
+    if config.processes:
+        outputs = multiprocess.run_local_processes(
+            command, config.processes, timeout_s=WORKER_TIMEOUT_S
+        )
+        return prefill_worker.parse_result(outputs[0].stdout)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(command[:3])} exited with {done.returncode}:\n{done.stderr[-4000:]}"
+        )
+    return prefill_worker.parse_result(done.stdout)
+
+
+def add_comparisons(result: dict[str, object]) -> None:
+    """Adds speedup (vs psum), ar_share and the PROJECTION to every row of one result."""
+    rows = result["rows"]
+    t_none = result["no_reduce"]["median_ms"]
+    base = next(row for row in rows if row["label"] == BASELINE)
+    base_proj = {
+        link: t_none + base["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3
+        for link, spec in LINKS.items()
+    }
+    for row in rows:
+        row["speedup_vs_psum"] = base["median_ms"] / row["median_ms"]
+        row["ar_share"] = (row["median_ms"] - t_none) / row["median_ms"]
+        row["ar_ms"] = row["median_ms"] - t_none
+        projection = {}
+        for link, spec in LINKS.items():
+            t_proj = t_none + row["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3
+            projection[link] = {
+                "comm_ms": row["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3,
+                "t_proj_ms": t_proj,
+                "speedup_vs_psum": base_proj[link] / t_proj,
+                "share": (t_proj - t_none) / t_proj,
+            }
+        row["PROJECTION"] = projection
+
+
+def _format(lines: list[list[str]], left: int = 2) -> list[str]:
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    lines.insert(1, ["-" * w for w in widths])
+    return [
+        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(
+            zip(line, widths, strict=True)))
+        for line in lines
+    ]  # fmt: skip
+
+
+def mesh_title(config: PrefillBenchConfig) -> str:
+    if config.processes:
+        return f"TP={config.processes} over {config.processes} processes (gloo)"
+    return f"TP={config.tp} over {config.tp} devices (1 process)"
+
+
+def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConfig) -> str:
+    """The measured table, the PROJECTION table and peak memory."""
+    first = results[0]
+    text = [
+        f"\n== prefill, {config.model} ({first['dtype']}), {mesh_title(config)}, "
+        f"batch {config.batch}, last-token logits; MEASURED on CPU =="
+    ]
+    header = ["seq", "method", "median ms", "p10-p90 ms", "vs psum", "AR share", "AR ms",
+              "wire MiB/dev", "reductions", "HLO collectives", "logits relRMS",
+              "top-1"]  # fmt: skip
+    lines = [header]
+    for r in results:
+        for row in r["rows"]:
+            label = row["label"] + (" (GATED->psum)" if row["gated"] else "")
+            hlo = ", ".join(f"{n} {k}" for k, n in sorted(row["hlo_collectives"].items()))
+            lines.append([
+                str(r["seq_len"]), label, f"{row['median_ms']:.1f}",
+                f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}", f"{row['speedup_vs_psum']:.3f}x",
+                f"{100 * row['ar_share']:.1f}%", f"{row['ar_ms']:.1f}",
+                f"{row['wire_bytes_hlo_total'] / 2**20:.2f}", str(row["num_reductions"]), hlo,
+                f"{row['logits_rel_rms_vs_first']:.2e}", f"{row['top1_agree_vs_first']:.2f}",
+            ])  # fmt: skip
+        nr = r["no_reduce"]
+        lines.append([
+            str(r["seq_len"]), "(no-reduce: compute only)", f"{nr['median_ms']:.1f}",
+            f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "0", "0", "", "", "",
+        ])  # fmt: skip
+    text += _format(lines)
+    gated = sorted({row["label"] for r in results for row in r["rows"] if row["gated"]})
+    if gated:
+        text.append(
+            f"GATED: {', '.join(gated)} sent these messages to plain psum (size gate "
+            "min_size_bytes); add min_size_bytes=0 to quantize them."
+        )
+    text.append(f"\n== PROJECTION (not measured), {mesh_title(config)} ==")
+    for link, spec in LINKS.items():
+        text.append(f"  {link}: {spec['note']}")
+    header = ["seq", "method", "proj wire MiB/dev"]
+    for link in LINKS:
+        header += [f"{link} ms", "comm ms", "vs psum"]
+    lines = [header]
+    for r in results:
+        for row in r["rows"]:
+            line = [str(r["seq_len"]), row["label"], f"{row['wire_bytes_projection'] / 2**20:.2f}"]
+            for link in LINKS:
+                p = row["PROJECTION"][link]
+                line += [
+                    f"{p['t_proj_ms']:.1f}",
+                    f"{p['comm_ms']:.3f}",
+                    f"{p['speedup_vs_psum']:.3f}x",
+                ]
+            lines.append(line)
+    text += _format(lines)
+    text.append(PROJECTION_NOTE)
+    text.append("\npeak memory (ru_maxrss) per process:")
+    for r in results:
+        mems = ", ".join(f"p{i} {m:.0f} MiB" for i, m in enumerate(r["peak_rss_mib"]))
+        text.append(f"  seq {r['seq_len']}: {mems}")
+    return "\n".join(text)
+
+
+def write_plot(results: Sequence[dict[str, object]], path: Path) -> None:
+    """Latency vs sequence length per method (and no-reduce), and the all-reduce share."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    seq = [r["seq_len"] for r in results]
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for label in [row["label"] for row in results[0]["rows"]]:
+        rows = [next(row for row in r["rows"] if row["label"] == label) for r in results]
+        ax_t.plot(seq, [row["median_ms"] for row in rows], marker="o", label=label)
+        ax_s.plot(seq, [100 * row["ar_share"] for row in rows], marker="o", label=label)
+    ax_t.plot(seq, [r["no_reduce"]["median_ms"] for r in results], marker="x", linestyle="--",
+              color="gray", label="no-reduce (compute only)")  # fmt: skip
+    for ax in (ax_t, ax_s):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seq, [str(s) for s in seq])
+        ax.set_xlabel("prompt length (tokens)")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    ax_t.set_yscale("log")
+    ax_t.set_ylabel("prefill median ms")
+    ax_s.set_ylabel("all-reduce share of prefill, % (measured)")
+    fig.suptitle(f"{results[0]['model']} prefill, TP={results[0]['tp']}")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def write_json(
+    results: Sequence[dict[str, object]], config: PrefillBenchConfig, path: Path
+) -> None:
+    """Every number, plus the settings of the run."""
+    import jax
+
+    first = results[0]
+    settings = {
+        "model": config.model,
+        "model_info": first["model_info"],
+        "weights_sha256": first["model_info"].get("weights_sha256"),
+        "dtype": first["dtype"],
+        "tp": first["tp"],
+        "processes": first["num_processes"],
+        "mode": "processes" if config.processes else "devices",
+        "batch": config.batch,
+        "seq_lens": list(config.seq_lens),
+        "methods": [
+            {"label": row["label"], "name": row["name"], "options": row["options"]}
+            for row in first["rows"]
+        ],
+        "baseline": BASELINE,
+        "repeats": "adaptive" if config.repeats is None else config.repeats,
+        "seed": config.seed,
+        "links": LINKS,
+        "projection_note": PROJECTION_NOTE,
+        "jax_version": jax.__version__,
+        "python_version": platform.python_version(),
+        "host_cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+    rows, runs = [], []
+    for r in results:
+        common = {k: r[k] for k in ("seq_len", "bucket", "repeats", "message_bytes")}
+        rows += [common | row for row in r["rows"]]
+        runs.append({k: v for k, v in r.items() if k not in ("rows", "model_info")})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": settings, "rows": rows, "runs": runs}, indent=1) + "\n")
+
+
+def run(config: PrefillBenchConfig) -> int:
+    """Measures every sequence length, prints the tables, writes JSON/plot if asked.
+    Returns the exit code: 1 when a worker fails (its error is printed), else 0."""
+    from tqdm import tqdm
+
+    methods = _validate(config)
+    results: list[dict[str, object]] = []
+    with tqdm(total=len(config.seq_lens), unit="seq len", desc="prefill bench") as bar:
+        for seq_len in config.seq_lens:
+            bar.set_postfix_str(f"seq {seq_len}")
+            try:
+                result = _run_worker(seq_len, methods, config)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+                bar.write(f"error: seq {seq_len}: {e}", file=sys.stderr)
+                return 1
+            add_comparisons(result)
+            results.append(result)
+            bar.update(1)
+    print(format_tables(results, config))
+    if config.json_path:
+        write_json(results, config, config.json_path)
+        print(f"wrote {config.json_path}")
+    if config.plot_path:
+        write_plot(results, config.plot_path)
+        print(f"wrote {config.plot_path}")
+    return 0
+
+
+def _seq_len(text: str) -> int:
+    value = int_at_least(1)(text)
+    if value > MAX_SEQ_LEN:
+        raise ValueError(f"invalid sequence length {value}: at most {MAX_SEQ_LEN}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `bench prefill`."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
+                        ", real weights; other names are random-init)")  # fmt: skip
+    parser.add_argument(
+        "--tp",
+        type=argument_type(int_at_least(1)),
+        metavar="N",
+        help="tensor-parallel degree: N host CPU devices in one process (default: 2)",
+    )
+    parser.add_argument(
+        "--processes",
+        type=argument_type(int_at_least(2)),
+        metavar="N",
+        help="N local processes, one CPU device each, gloo; TP = N",
+    )
+    parser.add_argument("--batch", type=argument_type(int_at_least(1)), default=1, metavar="B")
+    parser.add_argument(
+        "--seq-lens",
+        nargs="+",
+        type=argument_type(_seq_len),
+        default=list(DEFAULT_SEQ_LENS),
+        metavar="L",
+        help=f"prompt lengths, up to {MAX_SEQ_LEN} (default: "
+        f"{' '.join(map(str, DEFAULT_SEQ_LENS))})",
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=argument_type(parse_method),
+        default=[],
+        metavar="METHOD",
+        help=f"all-reduces, each NAME or NAME:key=value,..., measured in addition to "
+        f"{' '.join(DEFAULT_METHODS)}",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=argument_type(int_at_least(1)),
+        metavar="R",
+        help="timed rounds (default: adaptive, ~3 s per method, 3 to 20)",
+    )
+    parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
+    parser.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    parser.add_argument("--json", type=Path, metavar="PATH", help="write every number here")
+    parser.add_argument("--plot", type=Path, metavar="PATH", help="write a latency plot (PNG)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+
+
+def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
+    if args.processes and args.tp not in (None, args.processes):
+        raise UsageError(f"--tp {args.tp} conflicts with --processes {args.processes} (TP = N)")
+    methods = [parse_method(m) for m in DEFAULT_METHODS]
+    labels = {m.label for m in methods}
+    methods += [m for m in args.methods if m.label not in labels]
+    return PrefillBenchConfig(
+        model=args.model,
+        tp=args.processes or args.tp or 2,
+        processes=args.processes,
+        batch=args.batch,
+        seq_lens=tuple(sorted(set(args.seq_lens))),
+        methods=tuple(methods),
+        repeats=args.repeats,
+        checkpoint=args.checkpoint,
+        tokenizer=args.tokenizer,
+        json_path=args.json,
+        plot_path=args.plot,
+        seed=args.seed,
+    )

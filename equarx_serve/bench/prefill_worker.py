@@ -1,0 +1,277 @@
+"""One prefill measurement: every all-reduce method at one prompt length, on one TP mesh.
+
+Started by `equarx-serve bench prefill` (see `prefill.py`), one run per sequence length:
+
+    python -m equarx_serve.bench.prefill_worker --model tiny --devices 2 --seq-len 128 \\
+        --methods '[{"label": "psum", "name": "psum", "options": {}}]'
+
+`--devices N`: one process, N host CPU devices. Without it, one CPU device per process, joined
+by `jax.distributed` over gloo (`--coordinator`, `--num-processes`, `--process-id`); TP = N.
+
+The model (`PrefillEngine.from_name`, bf16 parameters) is loaded and sharded once; each method
+gets an engine on the same sharded parameters, plus one on NO-REDUCE: an all-reduce that
+returns its input unchanged (numerically wrong, the same compute without the collectives),
+whose time is the prefill's compute. Input: `batch` prompts of `seq_len` random token ids
+(fixed seed; the special ids of the tokenizer and ids 0-4 are never drawn), right-padded to the
+engine's bucket (= seq_len when it is a power of two >= 16), logits at the last token only.
+
+What is timed: each method's ahead-of-time compiled prefill program (the HLO gives the wire
+bytes and collective counts), run once untimed (its logits are compared with psum's), then once
+timed (the warm-up that sizes the adaptive repeat count). Then `repeats` rounds, each running
+every program once in an order rotated by one per round; a call is `perf_counter` around
+`block_until_ready` of `program(params, tokens, mask)` (logits and KV cache), after all
+processes meet at a barrier. Across processes, a call's time is the slowest process's. Each
+process reports its peak resident memory (`ru_maxrss`).
+
+Process 0 prints the result as one JSON line, prefixed with `RESULT_MARKER`, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import resource
+import time
+from collections.abc import Sequence
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from equarx_serve import multiprocess
+from equarx_serve.bench.allreduce_worker import RESULT_MARKER, parse_result
+from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS, collective_wire_bytes
+from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.engine import PrefillEngine
+
+__all__ = ["RESULT_MARKER", "NoReduce", "command", "measure", "parse_result"]
+
+MODULE = "equarx_serve.bench.prefill_worker"
+NO_REDUCE = "no-reduce"
+LOWEST_TOKEN_ID = 5  # never draw <pad> <eos> <bos> <unk> <mask> (ids 0-4)
+
+# Adaptive repeats: about TARGET_S of timed calls per program (from the slowest warm-up).
+TARGET_S = 3.0
+MIN_REPEATS, MAX_REPEATS = 3, 20
+
+
+@dataclasses.dataclass(frozen=True)
+class NoReduce(AllReduce):
+    """Returns the partial sum unchanged: the prefill's compute without its collectives.
+    Numerically wrong; for timing only, and not registered."""
+
+    name: ClassVar[str] = NO_REDUCE
+
+    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        return x
+
+    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
+        return 0
+
+
+def random_prompts(
+    batch: int, seq_len: int, vocab_size: int, special_ids: Sequence[int], seed: int
+) -> list[list[int]]:
+    """`batch` lists of `seq_len` ids in [LOWEST_TOKEN_ID, vocab_size), none in special_ids."""
+    rng = np.random.default_rng(seed)
+    excluded = np.asarray(sorted(set(special_ids)), np.int64)
+    tokens = rng.integers(LOWEST_TOKEN_ID, vocab_size, size=(batch, seq_len))
+    while (bad := np.isin(tokens, excluded)).any():
+        tokens[bad] = rng.integers(LOWEST_TOKEN_ID, vocab_size, size=int(bad.sum()))
+    return tokens.tolist()
+
+
+def adaptive_repeats(warm_s: Sequence[float]) -> int:
+    """Rounds for about `TARGET_S` of timing per program, in [MIN_REPEATS, MAX_REPEATS]."""
+    mean_s = max(sum(warm_s) / len(warm_s), 1e-9)
+    return min(MAX_REPEATS, max(MIN_REPEATS, math.ceil(TARGET_S / mean_s)))
+
+
+def _gather(local: np.ndarray) -> np.ndarray:
+    """Every process's `local` (same shape everywhere), stacked: [processes, *shape]."""
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, *local.shape)
+
+
+def _collective_counts(hlo_text: str) -> dict[str, int]:
+    """How many collective instructions of each kind the HLO has (async pairs once)."""
+    counts: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        for kind in COLLECTIVE_KINDS:
+            if f" {kind}(" in line or f" {kind}-start(" in line:
+                counts[kind] = counts.get(kind, 0) + 1
+    return counts
+
+
+def measure(
+    model: str,
+    methods: Sequence[dict],
+    *,
+    seq_len: int,
+    batch: int,
+    repeats: int | None,
+    seed: int,
+    checkpoint: str | None = None,
+    tokenizer: str | None = None,
+) -> dict[str, object]:
+    """Times every method (dicts of label, name, options) and no-reduce; see module doc."""
+    tp = jax.device_count()
+    load_start = time.perf_counter()
+    base = PrefillEngine.from_name(model, tp, "psum", checkpoint, tokenizer)
+    load_s = time.perf_counter() - load_start
+    config = base.config
+    special = [] if base.tokenizer is None else list(base.tokenizer.special_tokens.values())
+    prompts = random_prompts(batch, seq_len, config.vocab_size, special, seed)
+    tokens, mask, bucket = base.prepare(prompts)
+    num_elements = batch * bucket * config.embed_dim  # one all-reduce message, per device
+    num_reductions = 2 * config.num_layers  # attention output and MLP output of every layer
+
+    engines = {m["label"]: base.with_all_reduce(get_all_reduce(m["name"], **m["options"]))
+               for m in methods}  # fmt: skip
+    engines[NO_REDUCE] = base.with_all_reduce(NoReduce())
+    programs, rows = {}, {}
+    reference = None
+    for label, engine in engines.items():
+        start = time.perf_counter()
+        program = engine.compile(bucket, batch, last_only=True)
+        compile_s = time.perf_counter() - start
+        programs[label] = program.compiled
+        hlo = program.hlo_text()
+        hlo_bytes = collective_wire_bytes(hlo, tp)
+        ar = engine.all_reduce
+        logits = np.asarray(program.compiled(engine.params, tokens, mask).logits, np.float32)
+        if reference is None:
+            reference = logits  # the first method (psum by default)
+        err = logits - reference
+        rows[label] = {
+            "label": label,
+            "name": ar.name,
+            "options": ar.options(),
+            "gated": bool(getattr(ar, "is_gated", lambda *_: False)(num_elements, base.dtype)),
+            "compile_s": compile_s,
+            "num_reductions": 0 if label == NO_REDUCE else num_reductions,
+            "hlo_collectives": _collective_counts(hlo),
+            "wire_bytes_hlo": hlo_bytes,
+            "wire_bytes_hlo_total": sum(hlo_bytes.values()),
+            "wire_bytes_formula": (0 if label == NO_REDUCE else num_reductions)
+            * ar.wire_bytes(num_elements, base.dtype, tp),
+            # From the HLO before optimization: XLA:CPU widens 16-bit all-reduces to f32 (the
+            # optimized HLO), TPU and GPU reduce bf16 as bf16.
+            "wire_bytes_projection": sum(collective_wire_bytes(program.lowered_hlo, tp).values()),
+            "logits_rel_rms_vs_first": float(np.linalg.norm(err) / np.linalg.norm(reference)),
+            "logits_max_abs_vs_first": float(np.abs(err).max()),
+            "top1_agree_vs_first": float((logits.argmax(-1) == reference.argmax(-1)).mean()),
+        }
+
+    def timed(label: str) -> float:
+        multihost_utils.sync_global_devices("prefill-bench")
+        engine = engines[label]
+        start = time.perf_counter()
+        jax.block_until_ready(programs[label](engine.params, tokens, mask))
+        return time.perf_counter() - start
+
+    labels = list(programs)
+    warm_s = _gather(np.array([timed(label) for label in labels], np.float64))
+    if repeats is None:
+        repeats = adaptive_repeats(warm_s.max(axis=0).tolist())
+    local_s = np.zeros((len(labels), repeats), np.float64)
+    for r in range(repeats):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            local_s[labels.index(label), r] = timed(label)
+    times_ms = _gather(local_s).max(axis=0) * 1e3
+    for label, times in zip(labels, times_ms, strict=True):
+        p10, median, p90 = np.percentile(times, [10, 50, 90])
+        rows[label].update(
+            median_ms=float(median),
+            p10_ms=float(p10),
+            p90_ms=float(p90),
+            times_ms=np.round(times, 3).tolist(),
+        )
+    max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak_mib = _gather(np.array([max_rss_kib / 1024.0]))[:, 0]
+    no_reduce = rows.pop(NO_REDUCE)
+    return {
+        "model": model,
+        "model_info": base.info,
+        "tp": tp,
+        "num_processes": jax.process_count(),
+        "batch": batch,
+        "seq_len": seq_len,
+        "bucket": bucket,
+        "dtype": str(jnp.dtype(base.dtype)),
+        "message_elements": num_elements,
+        "message_bytes": num_elements * jnp.dtype(base.dtype).itemsize,
+        "repeats": repeats,
+        "load_s": load_s,
+        "peak_rss_mib": [round(float(m), 1) for m in peak_mib],
+        "no_reduce": no_reduce,
+        "rows": list(rows.values()),
+    }
+
+
+def command(
+    model: str,
+    methods: Sequence[dict],
+    *,
+    seq_len: int,
+    batch: int,
+    devices: int | None,
+    repeats: int | None,
+    seed: int,
+    checkpoint: str | None = None,
+    tokenizer: str | None = None,
+) -> list[str]:
+    """The command line that runs this module (process flags are added by the launcher)."""
+    args = ["--model", model, "--methods", json.dumps(list(methods))]
+    args += ["--seq-len", str(seq_len), "--batch", str(batch), "--seed", str(seed)]
+    if devices is not None:
+        args += ["--devices", str(devices)]
+    if repeats is not None:
+        args += ["--repeats", str(repeats)]
+    if checkpoint is not None:
+        args += ["--checkpoint", str(checkpoint), "--tokenizer", str(tokenizer)]
+    return multiprocess.python_module_command(MODULE, *args)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--methods", type=json.loads, required=True, help="JSON list of methods")
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--devices", type=int, help="N host devices in this one process")
+    parser.add_argument("--repeats", type=int, help="timed rounds (default: adaptive)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--tokenizer")
+    multiprocess.add_process_flags(parser)
+    args = parser.parse_args(argv)
+
+    jax.config.update("jax_platforms", "cpu")
+    if args.devices is not None:
+        jax.config.update("jax_num_cpu_devices", args.devices)
+    elif args.num_processes > 1:
+        multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
+    expected = args.devices if args.devices is not None else args.num_processes
+    if jax.device_count() != expected:
+        raise RuntimeError(f"expected {expected} devices, JAX has {jax.device_count()}")
+    result = measure(
+        args.model,
+        args.methods,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        repeats=args.repeats,
+        seed=args.seed,
+        checkpoint=args.checkpoint,
+        tokenizer=args.tokenizer,
+    )
+    if jax.process_index() == 0:
+        print(RESULT_MARKER, json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,273 @@
+"""Tensor-parallel prefill: a batch of token lists in, logits and the KV cache out.
+
+    engine = PrefillEngine.from_name("gemma3-270m", tp=2, all_reduce="equarx-int8")
+    result = engine.prefill([[2, 651, 6037], [2, 9259]])  # last_only=True
+    result.logits  # [B, V] at each prompt's last token; result.cache["layer_0"]["k"] ...
+
+The engine builds a 1-D mesh "tp" over `jax.devices()[:tp]` (N host devices in one process,
+or, after `equarx_serve.multiprocess.initialize`, the global devices of N processes), shards
+the parameters once, and right-pads every batch to a length BUCKET: a power of two from
+`MIN_BUCKET` up to `max_length` (the last bucket is `max_length` itself), so that new prompt
+lengths reuse a compiled program. Programs are compiled ahead of time and cached per
+(bucket, batch size, last_only); `compile` exposes them (the HLO gives the wire bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx_serve.collectives import AllReduce, get_all_reduce
+from models.config import Gemma3Config, get_config
+from models.gemma3 import AXIS, TensorParallelGemma3, init_params, mask_from_lengths
+
+MIN_BUCKET = 16
+# Gemma 3's context: 32K tokens for 270M and 1B (128K for the larger sizes).
+DEFAULT_MAX_LENGTH = 32_768
+INIT_SEED = 0  # random-init configs: init_params(config, PRNGKey(INIT_SEED))
+
+Params = dict[str, Any]
+
+
+def length_buckets(max_length: int) -> tuple[int, ...]:
+    """Powers of two from `MIN_BUCKET` below `max_length`, then `max_length`."""
+    if not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be an int >= 1, got {max_length!r}")
+    buckets, b = [], MIN_BUCKET
+    while b < max_length:
+        buckets.append(b)
+        b *= 2
+    return (*buckets, max_length)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logits", "cache", "lengths"],
+    meta_fields=["bucket"],
+)
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    """logits: [B, V] at each prompt's last token (last_only), else [B, bucket, V] (positions
+    from a prompt's length on are padding: meaningless). cache: {"layer_i": {"k", "v"}}, each
+    [B, bucket, K, H], sharded as the model produces it. lengths: [B] prompt lengths. bucket:
+    the padded length. A pytree: `jax.block_until_ready(result)` waits for logits and cache."""
+
+    logits: jax.Array
+    cache: dict[str, dict[str, jax.Array]]
+    lengths: np.ndarray
+    bucket: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledPrefill:
+    """One ahead-of-time compiled prefill program and its key."""
+
+    bucket: int
+    batch: int
+    last_only: bool
+    compiled: jax.stages.Compiled
+    lowered_hlo: str  # before XLA's optimizations (collectives in the program's dtypes)
+
+    def hlo_text(self) -> str:
+        """The optimized HLO (what runs on this backend)."""
+        return self.compiled.as_text()
+
+
+def _global_array(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A host array placed with `sharding` (every process passes the same value); works for
+    meshes that span processes, where not every device is addressable."""
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+class PrefillEngine:
+    """Prefill of a Gemma 3 model, tensor-parallel over `tp` devices (see module doc).
+
+    Args:
+      config: The model.
+      params: The gemma parameter tree (numpy or jax arrays, global shapes).
+      tp: Tensor-parallel degree: devices on the mesh axis "tp".
+      all_reduce: A registered all-reduce name or an `AllReduce` instance.
+      mesh: A mesh with axis "tp" of size `tp` (default: 1-D over `jax.devices()[:tp]`).
+      dtype: Cast the parameters to this dtype (default: keep theirs).
+      max_length: The longest prompt accepted (the last bucket).
+    """
+
+    def __init__(
+        self,
+        config: Gemma3Config,
+        params: Params,
+        *,
+        tp: int,
+        all_reduce: str | AllReduce = "psum",
+        mesh: Mesh | None = None,
+        dtype: jnp.dtype | None = None,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        _sharded: bool = False,
+    ):
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tp must be an int >= 1, got {tp!r}")
+        if mesh is None:
+            devices = jax.devices()
+            if tp > len(devices):
+                raise ValueError(f"tp={tp} needs {tp} devices, JAX has {len(devices)}")
+            mesh = Mesh(np.array(devices[:tp]), (AXIS,))
+        elif mesh.shape.get(AXIS) != tp:
+            raise ValueError(f"the mesh's {AXIS!r} axis must have size tp={tp}: {mesh.shape}")
+        self.config = config
+        self.tp = tp
+        self.mesh = mesh
+        self.buckets = length_buckets(max_length)
+        self.max_length = max_length
+        # Raises ValueError when the model cannot be split tp ways, or for a bad all-reduce.
+        self.model = TensorParallelGemma3(config, mesh, get_all_reduce(all_reduce))
+        self.all_reduce = self.model.all_reduce
+        self.params = params if _sharded else self._shard(params, dtype)
+        self.dtype = jax.tree.leaves(self.params)[0].dtype
+        self._replicated = NamedSharding(mesh, P())
+        self._programs: dict[tuple[int, int, bool], CompiledPrefill] = {}
+        # Model metadata (set by `from_name`): tokenizer, weights checksum, source.
+        self.tokenizer: Any = None
+        self.info: dict[str, Any] = {}
+
+    def _shard(self, params: Params, dtype: jnp.dtype | None) -> Params:
+        def place(value, sharding):
+            if isinstance(value, jax.Array) and value.is_fully_addressable and dtype is None:
+                return jax.device_put(value, sharding)
+            host = np.asarray(value)
+            if dtype is not None:
+                host = host.astype(dtype)
+            return _global_array(host, sharding)
+
+        return jax.tree.map(place, params, self.model.param_shardings())
+
+    def with_all_reduce(self, all_reduce: str | AllReduce) -> PrefillEngine:
+        """The same model and (already sharded) parameters on another all-reduce."""
+        engine = PrefillEngine(
+            self.config,
+            self.params,
+            tp=self.tp,
+            all_reduce=all_reduce,
+            mesh=self.mesh,
+            max_length=self.max_length,
+            _sharded=True,
+        )
+        engine.tokenizer, engine.info = self.tokenizer, dict(self.info)
+        return engine
+
+    @classmethod
+    def from_name(
+        cls,
+        model: str,
+        tp: int,
+        all_reduce: str | AllReduce = "psum",
+        checkpoint: str | None = None,
+        tokenizer: str | None = None,
+        *,
+        dtype: jnp.dtype | None = jnp.bfloat16,
+        max_length: int = DEFAULT_MAX_LENGTH,
+    ) -> PrefillEngine:
+        """An engine for the config named `model`: with `checkpoint` (an orbax folder) and
+        `tokenizer` (its SentencePiece .model), those weights; else "gemma3-270m" loads the
+        real weights (`models.cache.load_gemma3_270m`) and other names are random-init
+        (`init_params` with seed `INIT_SEED`)."""
+        config = get_config(model)
+        info: dict[str, Any] = {"model": model}
+        tok = None
+        if (checkpoint is None) != (tokenizer is None):
+            raise ValueError("give both a checkpoint and its tokenizer, or neither")
+        if checkpoint is not None:
+            from models.checkpoints import load_checkpoint
+            from models.gemma3 import param_shapes
+
+            params, tok = load_checkpoint(checkpoint, tokenizer, expected=param_shapes(config))
+            info.update(source="orbax", checkpoint=str(checkpoint), tokenizer=str(tokenizer))
+        elif model == "gemma3-270m":
+            from models.cache import load_gemma3_270m
+
+            params, tok, load_info = load_gemma3_270m()
+            info.update(
+                source="gguf",
+                gguf_path=str(load_info.gguf_path),
+                gguf_sha256=load_info.gguf_sha256,
+                weights_sha256=load_info.weights_sha256,
+            )
+        else:
+            params = init_params(config, jax.random.PRNGKey(INIT_SEED))
+            info.update(source="random-init", seed=INIT_SEED)
+        engine = cls(
+            config, params, tp=tp, all_reduce=all_reduce, dtype=dtype, max_length=max_length
+        )
+        engine.tokenizer, engine.info = tok, info
+        return engine
+
+    def bucket_for(self, length: int) -> int:
+        """The padded length of a prompt of `length` tokens; ValueError if out of range."""
+        if length < 1:
+            raise ValueError("empty prompt: every prompt needs at least one token")
+        if length > self.max_length:
+            raise ValueError(
+                f"prompt of {length} tokens is longer than the maximum length {self.max_length}"
+            )
+        return next(b for b in self.buckets if b >= length)
+
+    def compile(self, bucket: int, batch: int, *, last_only: bool = True) -> CompiledPrefill:
+        """The compiled program for right-padded [batch, bucket] inputs (cached)."""
+        key = (bucket, batch, bool(last_only))
+        if key not in self._programs:
+            tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=self._replicated)
+            mask = jax.ShapeDtypeStruct((batch, bucket), jnp.bool_, sharding=self._replicated)
+            fn = jax.jit(functools.partial(self.model, last_only=bool(last_only)))
+            lowered = fn.lower(self.params, tokens, mask)
+            self._programs[key] = CompiledPrefill(
+                bucket, batch, bool(last_only), lowered.compile(), lowered.as_text(dialect="hlo")
+            )
+        return self._programs[key]
+
+    @property
+    def num_compiled(self) -> int:
+        """How many programs have been compiled."""
+        return len(self._programs)
+
+    def prepare(self, token_lists: Sequence[Sequence[int]]) -> tuple[jax.Array, jax.Array, int]:
+        """(tokens, input_mask, bucket): the batch right-padded with 0 to its bucket, placed
+        replicated on the mesh. ValueError for an empty batch, empty or too long prompts."""
+        if not token_lists:
+            raise ValueError("empty batch: give at least one prompt")
+        lengths = [len(t) for t in token_lists]
+        for i, length in enumerate(lengths):
+            try:
+                self.bucket_for(length)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        bucket = self.bucket_for(max(lengths))
+        tokens = np.zeros((len(token_lists), bucket), np.int32)
+        for i, t in enumerate(token_lists):
+            tokens[i, : len(t)] = np.asarray(t, np.int32)
+        mask = np.asarray(mask_from_lengths(np.asarray(lengths), bucket))
+        return (
+            _global_array(tokens, self._replicated),
+            _global_array(mask, self._replicated),
+            bucket,
+        )
+
+    def prefill(
+        self, token_lists: Sequence[Sequence[int]], *, last_only: bool = True
+    ) -> PrefillResult:
+        """Runs the prompts (lists of token ids) as one right-padded batch; see `PrefillResult`."""
+        tokens, mask, bucket = self.prepare(token_lists)
+        program = self.compile(bucket, len(token_lists), last_only=last_only)
+        out = program.compiled(self.params, tokens, mask)
+        return PrefillResult(
+            logits=out.logits,
+            cache=out.cache,
+            lengths=np.array([len(t) for t in token_lists]),
+            bucket=bucket,
+        )
