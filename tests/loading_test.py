@@ -510,9 +510,38 @@ def test_gemma_model_generates_and_predicts_english(gemma270m):
     ppl, n = perplexity(jparams, PROSE)
     print(f"perplexity of {n} tokens of prose: {ppl:.2f}")
     assert n >= 250
+    print(f"TP=2 engine: {continuation!r}, perplexity {ppl:.2f} over {len(x)} tokens")
     assert ppl < 30, ppl
     # Negative control: the norms as stored in the file (without the -1) break the model.
     unshifted = jax.tree_util.tree_map_with_path(
         lambda path, a: a + 1 if "norm" in jax.tree_util.keystr(path) else a, jparams
     )
     assert perplexity(unshifted, PROSE)[0] > 1000
+
+
+@pytest.mark.slow
+def test_our_tensor_parallel_model_on_the_real_weights(gemma270m):
+    """The 270M sanity checks again, on this project's TP=2 model through the prefill engine."""
+    import jax
+    import jax.numpy as jnp
+
+    from equarx_serve.engine import PrefillEngine
+    from models.config import get_config
+
+    params, tok, _ = gemma270m
+    engine = PrefillEngine(
+        get_config("gemma3-270m"), params, tp=2, all_reduce="psum-f32", dtype=jnp.float32
+    )
+    prompt = tok.encode("The quick brown fox")
+    ids = list(prompt)
+    for _ in range(7):  # greedy, one full prefill per token (same 16-token bucket each time)
+        ids.append(int(jnp.argmax(engine.prefill([ids]).logits[0])))
+    continuation = tok.decode(ids[len(prompt) :])
+    assert continuation.strip().startswith("jumps over the lazy dog"), continuation
+
+    x = tok.encode(PROSE)
+    logits = engine.prefill([x], last_only=False).logits[0, : len(x) - 1]
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    ppl = float(jnp.exp(-jnp.take_along_axis(logp, np.asarray(x[1:])[:, None], axis=-1).mean()))
+    print(f"TP=2 engine: {continuation!r}, perplexity {ppl:.2f} over {len(x)} tokens")
+    assert ppl < 30, ppl
