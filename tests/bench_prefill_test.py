@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from equarx_serve import cli
 from equarx_serve.bench.prefill import DEFAULT_METHODS, LINKS
+from equarx_serve.multiprocess import free_port
 from models.config import get_config
 
 
@@ -67,6 +70,15 @@ def test_projection_fields(bench_json):
         (["--model", "nope"], "unknown Gemma 3 config"),
         (["--model", "tiny", "--tp", "3"], "must divide num_heads"),
         (["--seq-lens", "5000"], "at most 4096"),
+        (["--coordinator", "127.0.0.1:1"], "--coordinator and --num-processes go together"),
+        (
+            ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--process-id", "2"],
+            "--process-id must be < --num-processes",
+        ),
+        (
+            ["--coordinator", "127.0.0.1:1", "--num-processes", "2", "--tp", "4"],
+            "TP = --num-processes",
+        ),
     ],
 )
 def test_bad_arguments_exit_2(argv, message, capsys):
@@ -75,3 +87,28 @@ def test_bad_arguments_exit_2(argv, message, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_each_host_runs_the_same_command_with_its_own_process_id(tmp_path):
+    """The multi-host form, here with two "hosts" on loopback: process 0 reports."""
+    port = free_port()
+
+    def command(i: int) -> list[str]:
+        return [
+            *[sys.executable, "-m", "equarx_serve", "bench", "prefill", "--model", "tiny"],
+            *["--seq-lens", "16", "--repeats", "1", "--coordinator", f"127.0.0.1:{port}"],
+            *["--num-processes", "2", "--process-id", str(i)],
+            *["--json", str(tmp_path / f"{i}.json")],
+        ]
+
+    procs = [
+        subprocess.Popen(command(i), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i in range(2)
+    ]
+    outputs = [proc.communicate(timeout=180)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    report = json.loads((tmp_path / "0.json").read_text())
+    assert report["settings"]["mode"] == "multi-host"
+    assert report["settings"]["processes"] == 2
+    assert not (tmp_path / "1.json").exists()
+    assert "process 0 prints the results" in outputs[1]

@@ -85,6 +85,10 @@ class PrefillBenchConfig:
     json_path: Path | None = None
     plot_path: Path | None = None
     seed: int = 0
+    # One process of a multi-host run (each host runs the same command with its own id; tp =
+    # num_processes, one device per process; process 0 prints the tables and writes the files).
+    coordinator: str | None = None
+    process_id: int = 0
 
 
 def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
@@ -107,8 +111,9 @@ def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
 
 def _run_worker(
     seq_len: int, methods: list[dict[str, object]], config: PrefillBenchConfig
-) -> dict[str, object]:
-    """One worker run for one sequence length; the parsed result."""
+) -> dict[str, object] | None:
+    """One worker run for one sequence length; the parsed result (None on a multi-host
+    process other than 0, which reports nothing)."""
     from equarx_serve import multiprocess
     from equarx_serve.bench import prefill_worker
 
@@ -117,13 +122,16 @@ def _run_worker(
         methods,
         seq_len=seq_len,
         batch=config.batch,
-        devices=None if config.processes else config.tp,
+        devices=None if config.processes or config.coordinator else config.tp,
         repeats=config.repeats,
         seed=config.seed,
         checkpoint=config.checkpoint,
         tokenizer=config.tokenizer,
     )
-    if config.processes:
+    if config.coordinator:
+        command += ["--coordinator", config.coordinator, "--num-processes", str(config.tp)]
+        command += ["--process-id", str(config.process_id)]
+    elif config.processes:
         outputs = multiprocess.run_local_processes(
             command, config.processes, timeout_s=WORKER_TIMEOUT_S
         )
@@ -133,7 +141,7 @@ def _run_worker(
         raise RuntimeError(
             f"{' '.join(command[:3])} exited with {done.returncode}:\n{done.stderr[-4000:]}"
         )
-    return prefill_worker.parse_result(done.stdout)
+    return prefill_worker.parse_result(done.stdout) if config.process_id == 0 else None
 
 
 def add_comparisons(result: dict[str, object]) -> None:
@@ -171,7 +179,15 @@ def _format(lines: list[list[str]], left: int = 2) -> list[str]:
     ]  # fmt: skip
 
 
+def _mode(config: PrefillBenchConfig) -> str:
+    if config.coordinator:
+        return "multi-host"
+    return "processes" if config.processes else "devices"
+
+
 def mesh_title(config: PrefillBenchConfig) -> str:
+    if config.coordinator:
+        return f"TP={config.tp} over {config.tp} processes (gloo, coordinator {config.coordinator})"
     if config.processes:
         return f"TP={config.processes} over {config.processes} processes (gloo)"
     return f"TP={config.tp} over {config.tp} devices (1 process)"
@@ -283,7 +299,7 @@ def write_json(
         "dtype": first["dtype"],
         "tp": first["tp"],
         "processes": first["num_processes"],
-        "mode": "processes" if config.processes else "devices",
+        "mode": _mode(config),
         "batch": config.batch,
         "seq_lens": list(config.seq_lens),
         "methods": [
@@ -324,9 +340,13 @@ def run(config: PrefillBenchConfig) -> int:
             except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
                 bar.write(f"error: seq {seq_len}: {e}", file=sys.stderr)
                 return 1
-            add_comparisons(result)
-            results.append(result)
             bar.update(1)
+            if result is not None:
+                add_comparisons(result)
+                results.append(result)
+    if not results:
+        print(f"process {config.process_id}: done; process 0 prints the results")
+        return 0
     print(format_tables(results, config))
     if config.json_path:
         write_json(results, config, config.json_path)
@@ -390,9 +410,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every number here")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a latency plot (PNG)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    hosts = parser.add_argument_group(
+        "several hosts", "run the same command on every host, each with its own --process-id"
+    )
+    hosts.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    hosts.add_argument("--num-processes", type=argument_type(int_at_least(2)), metavar="N",
+                       help="processes in all, one CPU device each; TP = N")  # fmt: skip
+    hosts.add_argument("--process-id", type=argument_type(int_at_least(0)), default=0,
+                       metavar="I", help="this process, 0 to N-1 (default: 0)")  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
+    if (args.coordinator is None) != (args.num_processes is None):
+        raise UsageError("--coordinator and --num-processes go together")
+    if args.coordinator and (args.processes or args.tp not in (None, args.num_processes)):
+        raise UsageError("with --coordinator, TP = --num-processes: drop --processes and --tp")
+    if args.coordinator and args.process_id >= args.num_processes:
+        raise UsageError(f"--process-id must be < --num-processes ({args.num_processes})")
     if args.processes and args.tp not in (None, args.processes):
         raise UsageError(f"--tp {args.tp} conflicts with --processes {args.processes} (TP = N)")
     methods = [parse_method(m) for m in DEFAULT_METHODS]
@@ -400,7 +434,7 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
     methods += [m for m in args.methods if m.label not in labels]
     return PrefillBenchConfig(
         model=args.model,
-        tp=args.processes or args.tp or 2,
+        tp=args.num_processes or args.processes or args.tp or 2,
         processes=args.processes,
         batch=args.batch,
         seq_lens=tuple(sorted(set(args.seq_lens))),
@@ -411,4 +445,6 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         json_path=args.json,
         plot_path=args.plot,
         seed=args.seed,
+        coordinator=args.coordinator,
+        process_id=args.process_id,
     )

@@ -255,6 +255,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.devices is not None:
         jax.config.update("jax_num_cpu_devices", args.devices)
     elif args.num_processes > 1:
+        jax.config.update("jax_num_cpu_devices", 1)  # one device per process, whatever XLA_FLAGS
         multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
     expected = args.devices if args.devices is not None else args.num_processes
     if jax.device_count() != expected:
