@@ -72,10 +72,16 @@ def activations(device: int, num_elements: int, seed: int) -> np.ndarray:
     return values.astype(jnp.bfloat16)
 
 
-def adaptive_repeats(warm_s: Sequence[float]) -> int:
-    """Rounds for about `TARGET_S` of timing per method, in [MIN_REPEATS, MAX_REPEATS]."""
+def adaptive_repeats(
+    warm_s: Sequence[float],
+    *,
+    target_s: float = TARGET_S,
+    min_repeats: int = MIN_REPEATS,
+    max_repeats: int = MAX_REPEATS,
+) -> int:
+    """Rounds for about `target_s` of timing per method, in [min_repeats, max_repeats]."""
     mean_s = max(sum(warm_s) / len(warm_s), 1e-9)
-    return min(MAX_REPEATS, max(MIN_REPEATS, math.ceil(TARGET_S / mean_s)))
+    return min(max_repeats, max(min_repeats, math.ceil(target_s / mean_s)))
 
 
 def _compile(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Compiled:
@@ -83,9 +89,9 @@ def _compile(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Compiled:
     return jax.jit(mapped).lower(x).compile()
 
 
-def _gather(local: np.ndarray) -> np.ndarray:
+def gather_processes(local: np.ndarray) -> np.ndarray:
     """Every process's `local` (same shape everywhere), stacked: [processes, *shape]."""
-    return np.asarray(multihost_utils.process_allgather(local))
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, *local.shape)
 
 
 def _device_stats(out: jax.Array, reference: jax.Array) -> tuple[np.ndarray, np.ndarray]:
@@ -107,8 +113,8 @@ def _errors(out: jax.Array, reference: jax.Array) -> dict[str, float | bool]:
     """Relative RMS error and max abs error over all devices' outputs, and whether all
     devices' outputs are bit-identical."""
     stats, digests = _device_stats(out, reference)
-    stats = _gather(stats).reshape(-1, 3).astype(np.float64)
-    digests = _gather(digests).reshape(-1, 4)
+    stats = gather_processes(stats).reshape(-1, 3).astype(np.float64)
+    digests = gather_processes(digests).reshape(-1, 4)
     return {
         "rel_rms": float(math.sqrt(stats[:, 0].sum() / stats[:, 1].sum())),
         "max_abs": float(stats[:, 2].max()),
@@ -156,7 +162,7 @@ def measure(
             **_errors(program(x), reference),
         }
 
-    warm_s = _gather(np.array([timed(programs[m]) for m in programs], np.float32))
+    warm_s = gather_processes(np.array([timed(programs[m]) for m in programs], np.float32))
     if repeats is None:
         repeats = adaptive_repeats(warm_s.max(axis=0).tolist())
     labels = list(programs)
@@ -165,7 +171,7 @@ def measure(
         shift = r % len(labels)
         for label in labels[shift:] + labels[:shift]:
             local_s[labels.index(label), r] = timed(programs[label])
-    times_ms = _gather(local_s).max(axis=0).astype(np.float64) * 1e3
+    times_ms = gather_processes(local_s).max(axis=0).astype(np.float64) * 1e3
     for label, times in zip(labels, times_ms, strict=True):
         p10, median, p90 = np.percentile(times, [10, 50, 90])
         rows[label].update(

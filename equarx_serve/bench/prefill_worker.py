@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import resource
 import time
 from collections.abc import Sequence
@@ -43,7 +42,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from equarx_serve import multiprocess
-from equarx_serve.bench.allreduce_worker import RESULT_MARKER, parse_result
+from equarx_serve.bench.allreduce_worker import (
+    RESULT_MARKER,
+    adaptive_repeats,
+    gather_processes,
+    parse_result,
+)
 from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS, collective_wire_bytes
 from equarx_serve.collectives import AllReduce, get_all_reduce
 from equarx_serve.engine import PrefillEngine
@@ -83,17 +87,6 @@ def random_prompts(
     while (bad := np.isin(tokens, excluded)).any():
         tokens[bad] = rng.integers(LOWEST_TOKEN_ID, vocab_size, size=int(bad.sum()))
     return tokens.tolist()
-
-
-def adaptive_repeats(warm_s: Sequence[float]) -> int:
-    """Rounds for about `TARGET_S` of timing per program, in [MIN_REPEATS, MAX_REPEATS]."""
-    mean_s = max(sum(warm_s) / len(warm_s), 1e-9)
-    return min(MAX_REPEATS, max(MIN_REPEATS, math.ceil(TARGET_S / mean_s)))
-
-
-def _gather(local: np.ndarray) -> np.ndarray:
-    """Every process's `local` (same shape everywhere), stacked: [processes, *shape]."""
-    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, *local.shape)
 
 
 def _collective_counts(hlo_text: str) -> dict[str, int]:
@@ -174,15 +167,20 @@ def measure(
         return time.perf_counter() - start
 
     labels = list(programs)
-    warm_s = _gather(np.array([timed(label) for label in labels], np.float64))
+    warm_s = gather_processes(np.array([timed(label) for label in labels], np.float64))
     if repeats is None:
-        repeats = adaptive_repeats(warm_s.max(axis=0).tolist())
+        repeats = adaptive_repeats(
+            warm_s.max(axis=0).tolist(),
+            target_s=TARGET_S,
+            min_repeats=MIN_REPEATS,
+            max_repeats=MAX_REPEATS,
+        )
     local_s = np.zeros((len(labels), repeats), np.float64)
     for r in range(repeats):
         shift = r % len(labels)
         for label in labels[shift:] + labels[:shift]:
             local_s[labels.index(label), r] = timed(label)
-    times_ms = _gather(local_s).max(axis=0) * 1e3
+    times_ms = gather_processes(local_s).max(axis=0) * 1e3
     for label, times in zip(labels, times_ms, strict=True):
         p10, median, p90 = np.percentile(times, [10, 50, 90])
         rows[label].update(
@@ -192,7 +190,7 @@ def measure(
             times_ms=np.round(times, 3).tolist(),
         )
     max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    peak_mib = _gather(np.array([max_rss_kib / 1024.0]))[:, 0]
+    peak_mib = gather_processes(np.array([max_rss_kib / 1024.0]))[:, 0]
     no_reduce = rows.pop(NO_REDUCE)
     return {
         "model": model,
