@@ -84,6 +84,37 @@ def adaptive_repeats(
     return min(max_repeats, max(min_repeats, math.ceil(target_s / mean_s)))
 
 
+def time_side_by_side(
+    labels: Sequence[str],
+    timed: Callable[[str], float],
+    repeats: int | None,
+    **adaptive: float,
+) -> tuple[int, dict[str, dict[str, object]]]:
+    """Times every label side by side: one warm-up call each (sizing `repeats` when None, see
+    `adaptive_repeats`, which takes `adaptive`), then `repeats` rounds, each calling every label
+    once in an order rotated by one per round. Across processes a call's time is the slowest
+    process's. Returns (repeats, {label: {median_ms, p10_ms, p90_ms, times_ms}})."""
+    warm_s = gather_processes(np.array([timed(label) for label in labels], np.float64))
+    if repeats is None:
+        repeats = adaptive_repeats(warm_s.max(axis=0).tolist(), **adaptive)
+    local_s = np.zeros((len(labels), repeats), np.float64)
+    for r in range(repeats):
+        shift = r % len(labels)
+        for label in labels[shift:] + labels[:shift]:
+            local_s[labels.index(label), r] = timed(label)
+    times_ms = gather_processes(local_s).max(axis=0) * 1e3
+    stats = {}
+    for label, times in zip(labels, times_ms, strict=True):
+        p10, median, p90 = np.percentile(times, [10, 50, 90])
+        stats[label] = {
+            "median_ms": float(median),
+            "p10_ms": float(p10),
+            "p90_ms": float(p90),
+            "times_ms": np.round(times, 4).tolist(),
+        }
+    return repeats, stats
+
+
 def _compile(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Compiled:
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
     return jax.jit(mapped).lower(x).compile()
@@ -162,24 +193,11 @@ def measure(
             **_errors(program(x), reference),
         }
 
-    warm_s = gather_processes(np.array([timed(programs[m]) for m in programs], np.float32))
-    if repeats is None:
-        repeats = adaptive_repeats(warm_s.max(axis=0).tolist())
-    labels = list(programs)
-    local_s = np.zeros((len(labels), repeats), np.float32)
-    for r in range(repeats):
-        shift = r % len(labels)
-        for label in labels[shift:] + labels[:shift]:
-            local_s[labels.index(label), r] = timed(programs[label])
-    times_ms = gather_processes(local_s).max(axis=0).astype(np.float64) * 1e3
-    for label, times in zip(labels, times_ms, strict=True):
-        p10, median, p90 = np.percentile(times, [10, 50, 90])
-        rows[label].update(
-            median_ms=float(median),
-            p10_ms=float(p10),
-            p90_ms=float(p90),
-            times_ms=np.round(times, 4).tolist(),
-        )
+    repeats, timings = time_side_by_side(
+        list(programs), lambda label: timed(programs[label]), repeats
+    )
+    for label, stats in timings.items():
+        rows[label].update(stats)
     return {
         "n": n,
         "num_processes": jax.process_count(),

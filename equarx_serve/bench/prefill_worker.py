@@ -44,9 +44,9 @@ from jax.experimental import multihost_utils
 from equarx_serve import multiprocess
 from equarx_serve.bench.allreduce_worker import (
     RESULT_MARKER,
-    adaptive_repeats,
     gather_processes,
     parse_result,
+    time_side_by_side,
 )
 from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS, collective_wire_bytes
 from equarx_serve.collectives import AllReduce, get_all_reduce
@@ -166,29 +166,16 @@ def measure(
         jax.block_until_ready(programs[label](engine.params, tokens, mask))
         return time.perf_counter() - start
 
-    labels = list(programs)
-    warm_s = gather_processes(np.array([timed(label) for label in labels], np.float64))
-    if repeats is None:
-        repeats = adaptive_repeats(
-            warm_s.max(axis=0).tolist(),
-            target_s=TARGET_S,
-            min_repeats=MIN_REPEATS,
-            max_repeats=MAX_REPEATS,
-        )
-    local_s = np.zeros((len(labels), repeats), np.float64)
-    for r in range(repeats):
-        shift = r % len(labels)
-        for label in labels[shift:] + labels[:shift]:
-            local_s[labels.index(label), r] = timed(label)
-    times_ms = gather_processes(local_s).max(axis=0) * 1e3
-    for label, times in zip(labels, times_ms, strict=True):
-        p10, median, p90 = np.percentile(times, [10, 50, 90])
-        rows[label].update(
-            median_ms=float(median),
-            p10_ms=float(p10),
-            p90_ms=float(p90),
-            times_ms=np.round(times, 3).tolist(),
-        )
+    repeats, timings = time_side_by_side(
+        list(programs),
+        timed,
+        repeats,
+        target_s=TARGET_S,
+        min_repeats=MIN_REPEATS,
+        max_repeats=MAX_REPEATS,
+    )
+    for label, stats in timings.items():
+        rows[label].update(stats)
     max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     peak_mib = gather_processes(np.array([max_rss_kib / 1024.0]))[:, 0]
     no_reduce = rows.pop(NO_REDUCE)
