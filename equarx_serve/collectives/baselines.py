@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx_serve.collectives.base import AllReduce, check_float_dtype, register_all_reduce
-from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce
+from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce, take_chunk
 from equarx_serve.kernels.block_quantize import FLOAT32_TINY, INT8_MAX
 
 _RAW_BITS = {2: jnp.uint16, 4: jnp.uint32}
@@ -35,7 +35,7 @@ class RawBitsCodec:
         return lax.bitcast_convert_type(values.astype(self.wire_dtype), _RAW_BITS[self.itemsize])
 
     def encode_chunk(self, lane: jax.Array, index: jax.Array) -> jax.Array:
-        return self._encode(lax.dynamic_index_in_dim(lane, index, 0, keepdims=False))
+        return self._encode(take_chunk(lane, index))
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> jax.Array:
         acc = local.astype(jnp.float32)
@@ -106,7 +106,7 @@ class PerTensorInt8Codec:
     accumulate_dtype: jnp.dtype
 
     def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self._encode(lax.dynamic_index_in_dim(lane, index, 0, keepdims=False))
+        return self._encode(take_chunk(lane, index))
 
     def _encode(self, local: jax.Array) -> tuple[jax.Array, jax.Array]:
         values = local.astype(jnp.float32)

@@ -38,11 +38,10 @@ from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from equarx_serve.collectives.base import AllReduce, check_float_dtype, register_all_reduce
 from equarx_serve.collectives.hadamard import block_hadamard
-from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce
+from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce, take_chunk
 from equarx_serve.kernels import block_quantize
 
 # The gate falls back to psum, so it sits where the quantized path starts to beat psum.
@@ -77,7 +76,7 @@ class BlockInt8Codec:
 
     def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple:
         if self.use_pallas:
-            return self._accumulate_quantize(_take_chunk(lane, index), ())
+            return self._accumulate_quantize(take_chunk(lane, index), ())
         return block_quantize.quantize_chunk_xla(lane, index)
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple:
@@ -85,10 +84,6 @@ class BlockInt8Codec:
 
     def decode(self, payload: tuple, dtype: jnp.dtype) -> jax.Array:
         return block_quantize.dequantize(*payload).astype(dtype)
-
-
-def _take_chunk(lane: jax.Array, index: jax.Array) -> jax.Array:
-    return lax.dynamic_index_in_dim(lane, index, 0, keepdims=False)
 
 
 @register_all_reduce

@@ -88,7 +88,7 @@ class LaneLayout:
         return lanes.reshape(-1)[: self.size].reshape(shape)
 
 
-def _take(tree: Payload, index: jax.Array) -> Payload:
+def take_chunk(tree: Payload, index: jax.Array) -> Payload:
     """Chunk `index` (traced) of every array in a payload of [N, ...] arrays."""
     return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, index, 0, keepdims=False), tree)
 
@@ -122,7 +122,7 @@ def pipelined_all_reduce(
                 for key in keys:
                     dr = direction[key]
                     received = lax.ppermute(payload[key], axis_name, _shift_perm(n, dr))
-                    local_chunk = _take(lanes[key], (index - dr * step) % n)
+                    local_chunk = take_chunk(lanes[key], (index - dr * step) % n)
                     payload[key] = codec.accumulate_encode(local_chunk, (received,))
             for key in keys:
                 owned[key] = (index + direction[key]) % n
@@ -138,7 +138,7 @@ def pipelined_all_reduce(
                     )
             for key in keys:
                 payload[key] = codec.accumulate_encode(
-                    _take(lanes[key], index), tuple(received[key])
+                    take_chunk(lanes[key], index), tuple(received[key])
                 )
                 owned[key] = index
     else:
