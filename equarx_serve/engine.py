@@ -9,7 +9,7 @@ or, after `equarx_serve.multiprocess.initialize`, the global devices of N proces
 the parameters once, and right-pads every batch to a length BUCKET: a power of two from
 `MIN_BUCKET` up to `max_length` (the last bucket is `max_length` itself), so that new prompt
 lengths reuse a compiled program. Programs are compiled ahead of time and cached per
-(bucket, batch size, last_only); `compile` exposes them (the HLO gives the wire bytes).
+(bucket, batch size, last_only, capture); `compile` exposes them (the HLO gives the wire bytes).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def length_buckets(max_length: int) -> tuple[int, ...]:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["logits", "cache", "lengths"],
+    data_fields=["logits", "cache", "lengths", "trace"],
     meta_fields=["bucket"],
 )
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +58,15 @@ class PrefillResult:
     """logits: [B, V] at each prompt's last token (last_only), else [B, bucket, V] (positions
     from a prompt's length on are padding: meaningless). cache: {"layer_i": {"k", "v"}}, each
     [B, bucket, K, H], sharded as the model produces it. lengths: [B] prompt lengths. bucket:
-    the padded length. A pytree: `jax.block_until_ready(result)` waits for logits and cache."""
+    the padded length. trace: with capture=True, every all-reduce's record (see
+    `models.gemma3.Gemma3Output`), else None. A pytree: `jax.block_until_ready(result)` waits
+    for all of it."""
 
     logits: jax.Array
     cache: dict[str, dict[str, jax.Array]]
     lengths: np.ndarray
     bucket: int
+    trace: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +76,7 @@ class CompiledPrefill:
     bucket: int
     batch: int
     last_only: bool
+    capture: bool
     compiled: jax.stages.Compiled
     lowered_hlo: str  # before XLA's optimizations (collectives in the program's dtypes)
 
@@ -132,7 +136,7 @@ class PrefillEngine:
         self.params = params if _sharded else self._shard(params, dtype)
         self.dtype = jax.tree.leaves(self.params)[0].dtype
         self._replicated = NamedSharding(mesh, P())
-        self._programs: dict[tuple[int, int, bool], CompiledPrefill] = {}
+        self._programs: dict[tuple[int, int, bool, bool], CompiledPrefill] = {}
         # Model metadata (set by `from_name`): tokenizer, weights checksum, source.
         self.tokenizer: Any = None
         self.info: dict[str, Any] = {}
@@ -218,16 +222,20 @@ class PrefillEngine:
             )
         return next(b for b in self.buckets if b >= length)
 
-    def compile(self, bucket: int, batch: int, *, last_only: bool = True) -> CompiledPrefill:
+    def compile(
+        self, bucket: int, batch: int, *, last_only: bool = True, capture: bool = False
+    ) -> CompiledPrefill:
         """The compiled program for right-padded [batch, bucket] inputs (cached)."""
-        key = (bucket, batch, bool(last_only))
+        key = (bucket, batch, bool(last_only), bool(capture))
         if key not in self._programs:
             tokens = jax.ShapeDtypeStruct((batch, bucket), jnp.int32, sharding=self._replicated)
             mask = jax.ShapeDtypeStruct((batch, bucket), jnp.bool_, sharding=self._replicated)
-            fn = jax.jit(functools.partial(self.model, last_only=bool(last_only)))
+            fn = jax.jit(
+                functools.partial(self.model, last_only=bool(last_only), capture=bool(capture))
+            )
             lowered = fn.lower(self.params, tokens, mask)
             self._programs[key] = CompiledPrefill(
-                bucket, batch, bool(last_only), lowered.compile(), lowered.as_text(dialect="hlo")
+                *key, lowered.compile(), lowered.as_text(dialect="hlo")
             )
         return self._programs[key]
 
@@ -259,15 +267,21 @@ class PrefillEngine:
         )
 
     def prefill(
-        self, token_lists: Sequence[Sequence[int]], *, last_only: bool = True
+        self,
+        token_lists: Sequence[Sequence[int]],
+        *,
+        last_only: bool = True,
+        capture: bool = False,
     ) -> PrefillResult:
-        """Runs the prompts (lists of token ids) as one right-padded batch; see `PrefillResult`."""
+        """Runs the prompts (lists of token ids) as one right-padded batch; see `PrefillResult`.
+        `capture` also records every all-reduce's output and error (for the eval harness)."""
         tokens, mask, bucket = self.prepare(token_lists)
-        program = self.compile(bucket, len(token_lists), last_only=last_only)
+        program = self.compile(bucket, len(token_lists), last_only=last_only, capture=capture)
         out = program.compiled(self.params, tokens, mask)
         return PrefillResult(
             logits=out.logits,
             cache=out.cache,
             lengths=np.array([len(t) for t in token_lists]),
             bucket=bucket,
+            trace=out.trace,
         )

@@ -46,6 +46,7 @@ from models.config import AttentionType, Gemma3Config
 
 K_MASK = -2.3819763e38  # gemma's masked-logit value
 AXIS = "tp"
+TRACE = "all_reduce_trace"  # Flax collection of the all-reduce records (`reduce_and_trace`)
 
 LayerCache = dict[str, jax.Array]  # {"k", "v"}: [B, L, K_local, H], after QK-norm and RoPE
 Params = dict[str, Any]
@@ -253,6 +254,27 @@ def apply_rope(
 # -- Layers (local shard shapes) ----------------------------------------------------------------
 
 
+def reduce_and_trace(module: nn.Module, partial: jax.Array) -> jax.Array:
+    """`module.all_reduce` of this device's partial sums [B, T, D] over `module.axis_name`.
+
+    When the `TRACE` collection is mutable (`capture=True`), also records, under the module's
+    path: "output" [B, T, D], the reduced value; "error_sq" [B, T], the squared L2 error of
+    that value against an f32 `psum` of the same partial sums (the error this all-reduce adds
+    here, before it propagates); "exact_sq" [B, T], the squared norm of that f32 sum; and
+    "nonfinite" [B, T], how many output elements are NaN or Inf. The extra f32 psum runs only
+    when tracing.
+    """
+    output = module.all_reduce(partial, module.axis_name)
+    if module.is_mutable_collection(TRACE):
+        exact = lax.psum(partial.astype(jnp.float32), module.axis_name)  # [B, T, D]
+        error = output.astype(jnp.float32) - exact
+        module.sow(TRACE, "output", output)
+        module.sow(TRACE, "error_sq", jnp.sum(error * error, axis=-1))
+        module.sow(TRACE, "exact_sq", jnp.sum(exact * exact, axis=-1))
+        module.sow(TRACE, "nonfinite", jnp.sum(~jnp.isfinite(output), axis=-1, dtype=jnp.int32))
+    return output
+
+
 class Einsum(nn.Module):
     """A weight of `shape` applied with an einsum equation given at call time."""
 
@@ -376,7 +398,7 @@ class Attention(nn.Module):
 
         # Row-parallel: this device's heads' share of the output, summed over devices.
         partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded)  # [B, T, D]
-        return cache, self.all_reduce(partial, self.axis_name)
+        return cache, reduce_and_trace(self, partial)
 
 
 class FeedForward(nn.Module):
@@ -403,7 +425,7 @@ class FeedForward(nn.Module):
 
         w_linear = self.param("linear", init, (f, d))
         partial = jnp.einsum("BTF,FD->BTD", activations, w_linear)  # [B, T, D]
-        return self.all_reduce(partial, self.axis_name)
+        return reduce_and_trace(self, partial)
 
 
 class Block(nn.Module):
@@ -486,10 +508,14 @@ class Gemma3Shard(nn.Module):
 class Gemma3Output:
     """logits: [B, L, V], or [B, V] with last_only (replicated).
     cache: {"layer_i": {"k", "v"}}, each [B, L, K, H] after QK-norm/RoPE (k) in the parameter
-    dtype, split over "tp" on K when the KV heads are sharded, else replicated."""
+    dtype, split over "tp" on K when the KV heads are sharded, else replicated.
+    trace: with capture=True, every row-parallel all-reduce's record (`reduce_and_trace`),
+    {"layer_i": {"attn" | "mlp": {"output", "error_sq", "exact_sq", "nonfinite"}}}, each
+    value a 1-tuple (Flax `sow`), replicated; else None."""
 
     logits: jax.Array
     cache: dict[str, LayerCache]
+    trace: dict[str, Any] | None = None
 
 
 class TensorParallelGemma3:
@@ -519,7 +545,11 @@ class TensorParallelGemma3:
         self.param_specs = param_partition_specs(config, self.tp, axis_name=axis_name)
         self.cache_spec = cache_partition_spec(config, self.tp, axis_name=axis_name)
         self._module = Gemma3Shard(config, self.layout, self.all_reduce, axis_name)
-        self._forward = {last_only: self._build(last_only) for last_only in (False, True)}
+        self._forward = {
+            (last_only, capture): self._build(last_only, capture)
+            for last_only in (False, True)
+            for capture in (False, True)
+        }
 
     def param_shardings(self) -> Params:
         """A NamedSharding for every parameter."""
@@ -529,14 +559,23 @@ class TensorParallelGemma3:
         """Places (global) parameters on the mesh as `param_partition_specs` says."""
         return jax.device_put(params, self.param_shardings())
 
-    def _build(self, last_only: bool):
+    def _build(self, last_only: bool, capture: bool):
         cache_specs = {
             f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
             for i in range(self.config.num_layers)
         }
 
         def shard_forward(params, tokens, input_mask):
-            return self._module.apply({"params": params}, tokens, input_mask, last_only=last_only)
+            variables = {"params": params}
+            if not capture:
+                logits, cache = self._module.apply(
+                    variables, tokens, input_mask, last_only=last_only
+                )
+                return logits, cache, None
+            (logits, cache), traced = self._module.apply(
+                variables, tokens, input_mask, last_only=last_only, mutable=[TRACE]
+            )
+            return logits, cache, traced[TRACE]
 
         # check_vma=False: ring all-reduces built from ppermute return replicated values that
         # the varying-manual-axes check cannot prove replicated (out_specs P()).
@@ -544,13 +583,13 @@ class TensorParallelGemma3:
             shard_forward,
             mesh=self.mesh,
             in_specs=(self.param_specs, P(), P()),
-            out_specs=(P(), cache_specs),
+            out_specs=(P(), cache_specs, P()),
             check_vma=False,
         )
 
         def forward(params, tokens, input_mask):
-            logits, cache = sharded(params, tokens, input_mask)
-            return Gemma3Output(logits=logits, cache=cache)
+            logits, cache, trace = sharded(params, tokens, input_mask)
+            return Gemma3Output(logits=logits, cache=cache, trace=trace)
 
         return jax.jit(forward)
 
@@ -561,9 +600,11 @@ class TensorParallelGemma3:
         input_mask: jax.Array | None = None,
         *,
         last_only: bool = False,
+        capture: bool = False,
     ) -> Gemma3Output:
         """tokens [B, L] int, input_mask [B, L] bool (default: tokens != 0, gemma's padding
-        id) -> logits and KV cache (see `Gemma3Output`)."""
+        id) -> logits and KV cache, and with `capture` the all-reduce trace (see
+        `Gemma3Output`)."""
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be [B, L] integers, got {tokens.dtype}{tokens.shape}")
@@ -574,4 +615,4 @@ class TensorParallelGemma3:
             raise ValueError(
                 f"input_mask {input_mask.shape} must have the shape of tokens {tokens.shape}"
             )
-        return self._forward[bool(last_only)](params, tokens, input_mask)
+        return self._forward[bool(last_only), bool(capture)](params, tokens, input_mask)

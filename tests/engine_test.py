@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from conftest import mesh_of
 
+from equarx_serve.collectives import get_all_reduce
 from equarx_serve.engine import MIN_BUCKET, PrefillEngine, length_buckets
 from models.config import get_config
 from models.gemma3 import TensorParallelGemma3, init_params, mask_from_lengths
@@ -131,3 +132,33 @@ def test_from_name_random_init_is_deterministic_bf16():
         np.asarray(a.prefill(prompts).logits, np.float32),
         np.asarray(PrefillEngine.from_name("tiny", 2).prefill(prompts).logits, np.float32),
     )
+
+
+def _relative_error(trace_site) -> float:
+    return float(np.sqrt(np.sum(trace_site["error_sq"][0]) / np.sum(trace_site["exact_sq"][0])))
+
+
+def test_capture_records_every_all_reduce_without_changing_the_logits():
+    engine = _engine().with_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0))
+    prompts = _prompts(PROMPT_LENGTHS)
+    plain = engine.prefill(prompts)
+    traced = engine.prefill(prompts, capture=True)
+    assert plain.trace is None
+    np.testing.assert_array_equal(np.asarray(traced.logits), np.asarray(plain.logits))
+    assert set(traced.trace) == {f"layer_{i}" for i in range(CONFIG.num_layers)}
+    for layer in traced.trace.values():
+        for site in ("attn", "mlp"):
+            (output,) = layer[site]["output"]
+            assert output.shape == (len(prompts), 16, CONFIG.embed_dim)
+            assert layer[site]["error_sq"][0].shape == (len(prompts), 16)
+            assert int(np.sum(layer[site]["nonfinite"][0])) == 0
+            # int8 with 256-element blocks: about 1% relative error, far above bf16 rounding.
+            assert 1e-3 < _relative_error(layer[site]) < 0.05
+
+
+def test_capture_of_the_f32_reference_shows_only_bf16_rounding():
+    engine = PrefillEngine.from_name("tiny", tp=2, all_reduce="psum-f32", max_length=64)
+    traced = engine.prefill(_prompts(PROMPT_LENGTHS), capture=True)
+    for layer in traced.trace.values():
+        for site in ("attn", "mlp"):
+            assert _relative_error(layer[site]) < 2**-8  # one bf16 rounding of the exact sum

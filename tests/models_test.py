@@ -361,7 +361,7 @@ def test_only_collectives_are_two_all_reduces_per_layer():
     model = tp_model("tiny", 2, "psum-f32")
     tokens, mask = batch_of("tiny")
     params = model.shard_params(params_of("tiny"))
-    text = model._forward[False].lower(params, tokens, mask).as_text()
+    text = model._forward[False, False].lower(params, tokens, mask).as_text()
     assert text.count("all_reduce") == 2 * config_of("tiny").num_layers
     for op in ("collective_permute", "all_gather", "all_to_all", "reduce_scatter"):
         assert op not in text
@@ -379,7 +379,7 @@ def test_released_configs_trace(name, tp):
         is_leaf=lambda x: isinstance(x, tuple),
     )
     tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
-    out = jax.eval_shape(model._forward[True], params, tokens, tokens.update(dtype=jnp.bool_))
+    out = jax.eval_shape(model._forward[True, False], params, tokens, tokens.update(dtype=jnp.bool_))
     assert out.logits.shape == (2, config.vocab_size) and out.logits.dtype == jnp.bfloat16
     k = out.cache[f"layer_{config.num_layers - 1}"]["k"]
     assert k.shape == (2, 32, config.num_kv_heads, config.head_dim)
