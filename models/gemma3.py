@@ -215,9 +215,14 @@ def causal_attention_mask(input_mask: jax.Array) -> jax.Array:
     return input_mask[:, None, :] * causal[None, :, :]
 
 
-def sliding_window_mask(positions: jax.Array, window: int) -> jax.Array:
-    """[B, L] positions -> [B, L, L] bool: key positions within (q - window, q + window)."""
-    key_positions = positions[:, None, :]  # B 1 S
+def sliding_window_mask(
+    positions: jax.Array, window: int, key_positions: jax.Array | None = None
+) -> jax.Array:
+    """[B, T] query positions (and [B, S] key positions, default the same) -> [B, T, S] bool:
+    key positions within (q - window, q + window)."""
+    if key_positions is None:
+        key_positions = positions
+    key_positions = key_positions[:, None, :]  # B 1 S
     query_positions = positions[:, :, None]  # B T 1
     mask = key_positions > query_positions - window
     return mask * (key_positions < query_positions + window)
@@ -353,9 +358,17 @@ class Attention(nn.Module):
         return lax.dynamic_slice_in_dim(kv, index, 1, axis=2)
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, attn_mask: jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
-        """x [B, L, D], positions [B, L], attn_mask [B, L, L] -> (cache, [B, L, D])."""
+        """Prefill: x [B, L, D], positions [B, L], attn_mask [B, L, L] -> (cache [B, L, K, H],
+        [B, L, D]). Decode (`cache` given, [B, S, K, H]): x [B, 1, D] is each sequence's new
+        token at positions [B, 1]; its k/v are written at that index of the cache (index ==
+        position: right-padded prompts) and it attends over attn_mask [B, 1, S] -> (the
+        updated cache, [B, 1, D])."""
         c = self.config
         local = self.attn_type == AttentionType.LOCAL_SLIDING
         rope = dict(
@@ -374,11 +387,19 @@ class Attention(nn.Module):
             key = self._key_norm(key)
         query = apply_rope(query, positions, **rope) * c.query_scale
         key = apply_rope(key, positions, **rope)
-        cache = {"k": key, "v": value}
+        if cache is None:
+            cache, key_positions = {"k": key, "v": value}, positions
+        else:
+            rows, index = jnp.arange(key.shape[0]), positions[:, 0]  # [B], [B]
+            cache = {
+                "k": cache["k"].at[rows, index].set(key[:, 0]),  # [B, S, K, H]
+                "v": cache["v"].at[rows, index].set(value[:, 0]),  # [B, S, K, H]
+            }
+            key_positions = jnp.arange(cache["k"].shape[1])[None, :]  # [1, S]
 
         # Grouped attention: the N query heads as K groups of G = N / K heads.
-        attn_key = self._kv_for_local_heads(key)  # [B, S, K, H]
-        attn_value = self._kv_for_local_heads(value)  # [B, S, K, H]
+        attn_key = self._kv_for_local_heads(cache["k"])  # [B, S, K, H]
+        attn_value = self._kv_for_local_heads(cache["v"])  # [B, S, K, H]
         b, t, n, h = query.shape
         k = attn_key.shape[2]
         grouped_query = query.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
@@ -388,7 +409,8 @@ class Attention(nn.Module):
         if c.attn_logits_softcap is not None:
             logits = jnp.tanh(logits / c.attn_logits_softcap) * c.attn_logits_softcap
         if local:
-            attn_mask = attn_mask * sliding_window_mask(positions, c.sliding_window_size)
+            window = sliding_window_mask(positions, c.sliding_window_size, key_positions)
+            attn_mask = attn_mask * window  # [B, T, S]
         logits = jnp.where(attn_mask[:, :, None, :], logits, K_MASK)  # [B, T, N, S]
         probs = jax.nn.softmax(logits, axis=-1).astype(attn_key.dtype)
 
@@ -447,10 +469,15 @@ class Block(nn.Module):
         self.post_ffw_norm = RMSNorm() if c.use_post_ffw_norm else None
 
     def __call__(
-        self, x: jax.Array, positions: jax.Array, attn_mask: jax.Array
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
-        """x [B, L, D] (replicated) -> (cache, [B, L, D] replicated)."""
-        cache, attn_output = self.attn(self.pre_attention_norm(x), positions, attn_mask)
+        """x [B, L, D] (replicated) -> (cache, [B, L, D] replicated); with `cache`, one decode
+        step (see `Attention`)."""
+        cache, attn_output = self.attn(self.pre_attention_norm(x), positions, attn_mask, cache)
         if self.post_attention_norm is not None:
             attn_output = self.post_attention_norm(attn_output)
         attn_output = attn_output + x
@@ -494,11 +521,32 @@ class Gemma3Shard(nn.Module):
 
         if last_only:
             x = x[jnp.arange(x.shape[0]), last_token_index(input_mask)]  # [B, D]
-        logits = self.embedder.decode(x)  # [B, (L,) V]
+        return self._logits(x), cache
+
+    def decode(
+        self, tokens: jax.Array, lengths: jax.Array, cache: dict[str, LayerCache]
+    ) -> tuple[jax.Array, dict[str, LayerCache]]:
+        """One decode step: tokens [B] (each sequence's newest token), lengths [B] (tokens
+        already in its cache: the new token's position and cache index), cache
+        {"layer_i": {"k", "v"}} local [B, S, K_local, H] -> (logits [B, V], the cache with the
+        new k/v at index lengths). The token attends over cache positions <= its own."""
+        x = self.embedder.encode(tokens[:, None])  # [B, 1, D]
+        positions = lengths[:, None]  # [B, 1]
+        key_positions = jnp.arange(cache["layer_0"]["k"].shape[1])  # [S]
+        attn_mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, 1, S]
+        new_cache = {}
+        for i, block in enumerate(self.blocks):
+            new_cache[f"layer_{i}"], x = block(x, positions, attn_mask, cache[f"layer_{i}"])
+        x = self.final_norm(x)[:, 0]  # [B, D]
+        return self._logits(x), new_cache
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """[..., D] -> [..., V], soft-capped when the config says so."""
+        logits = self.embedder.decode(x)
         if self.config.final_logit_softcap is not None:
             cap = self.config.final_logit_softcap
             logits = jnp.tanh(logits / cap) * cap
-        return logits, cache
+        return logits
 
 
 # -- The tensor-parallel forward pass -----------------------------------------------------------
@@ -550,6 +598,7 @@ class TensorParallelGemma3:
             for last_only in (False, True)
             for capture in (False, True)
         }
+        self._decode = self._build_decode()
 
     def param_shardings(self) -> Params:
         """A NamedSharding for every parameter."""
@@ -592,6 +641,51 @@ class TensorParallelGemma3:
             return Gemma3Output(logits=logits, cache=cache, trace=trace)
 
         return jax.jit(forward)
+
+    def _build_decode(self):
+        cache_specs = {
+            f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
+            for i in range(self.config.num_layers)
+        }
+
+        def shard_decode(params, cache, tokens, lengths):
+            return self._module.apply(
+                {"params": params}, tokens, lengths, cache, method=Gemma3Shard.decode
+            )
+
+        sharded = jax.shard_map(
+            shard_decode,
+            mesh=self.mesh,
+            in_specs=(self.param_specs, cache_specs, P(), P()),
+            out_specs=(P(), cache_specs),
+            check_vma=False,  # as in `_build`
+        )
+
+        def decode(params, cache, tokens, lengths):
+            logits, cache = sharded(params, cache, tokens, lengths)
+            return Gemma3Output(logits=logits, cache=cache)
+
+        # The cache is updated in place (donated): programs are reused for a fixed capacity.
+        return jax.jit(decode, donate_argnums=1)
+
+    def decode(
+        self, params: Params, cache: dict[str, LayerCache], tokens: jax.Array, lengths: jax.Array
+    ) -> Gemma3Output:
+        """One decode step for a batch of sequences (right-padded: cache index == position).
+
+        cache: {"layer_i": {"k", "v"}}, each [B, S, K, H] sharded like `Gemma3Output.cache`
+        (S: a fixed capacity; it is DONATED: use the returned one). tokens [B] int: each
+        sequence's newest token; lengths [B] int: the tokens already in its cache, which is
+        where the new token's k/v go (lengths < S). Returns logits [B, V] for the next token
+        and the updated cache. Its two all-reduces per layer reduce [B, 1, D] messages.
+        """
+        tokens = jnp.asarray(tokens, jnp.int32)
+        lengths = jnp.asarray(lengths, jnp.int32)
+        if tokens.ndim != 1 or lengths.shape != tokens.shape:
+            raise ValueError(
+                f"tokens and lengths must both be [B], got {tokens.shape} and {lengths.shape}"
+            )
+        return self._decode(params, cache, tokens, lengths)
 
     def __call__(
         self,
