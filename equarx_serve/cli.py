@@ -6,6 +6,8 @@
                                [--seq-lens ...] [--methods ...] [--repeats R]
                                [--checkpoint PATH --tokenizer PATH] [--json PATH] [--plot PATH]
     equarx-serve demo [--out-dir DIR]
+    equarx-serve serve [--host H] [--port P] [--model NAME] [--tp N] [--all-reduce METHOD]
+                       [--max-batch B] [--max-queue Q] [--max-prompt-tokens N]
 
 Commands import JAX only when they run, so `equarx-serve --help` starts fast.
 """
@@ -17,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from equarx_serve import serve_command
 from equarx_serve.bench import allreduce, prefill
 
 DEMO_DIR = Path("bench-results")
@@ -81,6 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out-dir", type=Path, default=DEMO_DIR, help="default: %(default)s")
     demo.set_defaults(handler=_demo, command_parser=demo)
+
+    serve = commands.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
+        description=serve_command.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve_command.add_arguments(serve)
+    serve.set_defaults(handler=serve_command.run, command_parser=serve)
     return parser
 
 

@@ -1,0 +1,130 @@
+"""`equarx-serve serve`: the OpenAI-compatible HTTP server (`server.py`) under uvicorn.
+
+    equarx-serve serve [--host 127.0.0.1] [--port 8000] [--model gemma3-270m] [--tp 2]
+                       [--all-reduce equarx-int8] [--max-batch 8] [--max-queue 64]
+                       [--max-prompt-tokens N] [--checkpoint PATH --tokenizer PATH]
+
+It loads the model, shards it over TP host devices (XLA_FLAGS
+--xla_force_host_platform_device_count=TP, set before JAX is imported), compiles a first program
+with a short warm-up generation, then listens. SIGTERM or Ctrl-C: new requests get 503, queued
+and running ones finish, the worker stops, the process exits 0.
+
+This module imports neither JAX nor FastAPI until the command runs, so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from pathlib import Path
+
+from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+
+DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_ALL_REDUCE = "equarx-int8"
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_QUEUE = 64
+# Prompt + completion tokens per request. Gemma 3 270M has a 32K context; on CPU long buckets
+# compile and run slowly, so the server's default is shorter (raise it with --max-length).
+DEFAULT_MAX_LENGTH = 2048
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+logger = logging.getLogger("equarx_serve.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `serve`."""
+    parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
+    parser.add_argument("--port", type=argument_type(int_at_least(0)), default=8000,
+                        help="default: %(default)s (0: any free port)")  # fmt: skip
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
+                        ", real weights; other names are random-init)")  # fmt: skip
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the id in /v1/models and requests (default: --model)")  # fmt: skip
+    parser.add_argument("--tp", type=argument_type(int_at_least(1)), default=2, metavar="N",
+                        help="tensor-parallel degree: N host devices (default: 2)")  # fmt: skip
+    parser.add_argument(
+        "--all-reduce",
+        type=argument_type(parse_method),
+        default=DEFAULT_ALL_REDUCE,
+        metavar="METHOD",
+        help="NAME or NAME:key=value,... (default: %(default)s; see bench allreduce)",
+    )
+    parser.add_argument("--max-batch", type=argument_type(int_at_least(1)),
+                        default=DEFAULT_MAX_BATCH, metavar="B",
+                        help="requests per device step (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--max-queue", type=argument_type(int_at_least(1)),
+                        default=DEFAULT_MAX_QUEUE, metavar="Q",
+                        help="waiting requests before 503 (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--max-prompt-tokens", type=argument_type(int_at_least(1)), metavar="N",
+                        help="longest prompt accepted (default: the context length)")  # fmt: skip
+    parser.add_argument("--max-length", type=argument_type(int_at_least(16)),
+                        default=DEFAULT_MAX_LENGTH, metavar="N",
+                        help="prompt + completion tokens of a request (default: 2048)")  # fmt: skip
+    parser.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
+                        help="how long an idle worker waits to batch more requests "
+                        "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
+    parser.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])  # fmt: skip
+
+
+def set_device_count(n: int) -> None:
+    """N host devices: XLA_FLAGS, which JAX reads when it is first imported."""
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={n}"])
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load, compile, serve until SIGTERM/SIGINT; 0 after a clean shutdown."""
+    if (args.checkpoint is None) != (args.tokenizer is None):
+        raise UsageError("--checkpoint and --tokenizer go together")
+    if args.batch_window_ms < 0:
+        raise UsageError("--batch-window-ms must be >= 0")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    set_device_count(args.tp)
+    import uvicorn
+
+    from equarx_serve.bench.allreduce import resolve_methods
+    from equarx_serve.collectives import get_all_reduce
+    from equarx_serve.decode import Generator
+    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.server import create_app, drain_on_exit
+
+    resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
+    try:
+        engine = PrefillEngine.from_name(
+            args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
+            checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=args.max_length,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    generator = Generator(engine, max_batch=args.max_batch)
+    app = create_app(
+        generator,
+        model_name=args.served_model_name or args.model,
+        max_queue=args.max_queue,
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_batch=args.max_batch,
+        batch_window_s=args.batch_window_ms / 1e3,
+        warmup=True,
+    )
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level,
+        timeout_graceful_shutdown=None, lifespan="on",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    drain_on_exit(server, app)
+    # uvicorn re-raises the signal it shut down on once it has finished, under the handlers
+    # that were installed before it ran: make those no-ops so a drained shutdown exits 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    return 0 if server.started else 1
