@@ -1,0 +1,158 @@
+"""Quality metrics of one method's forward pass against the reference's, on the same tokens.
+
+Everything heavy runs jitted on one device, one batch at a time, and returns small per-token
+or per-site arrays; `summarize` turns the concatenated per-token arrays into the report's
+numbers. Cost per batch: two log-softmaxes and a top-5 over [B, T, V] logits (V = 262144 for
+Gemma 3: ~10 FLOPs an element), so a method's scoring costs about what its vocab projection
+does.
+
+Per token t (scoring position t predicts token t + 1), with p the reference's next-token
+distribution and q the method's:
+  nll         -log q(token t + 1)            -> perplexity = exp(mean nll)
+  kl          KL(p || q) = sum p (log p - log q), nats
+  top1        argmax q == argmax p
+  top5        |top5(p) & top5(q)| / 5
+  max_abs / mean_abs / cosine of the logit vectors
+Per all-reduce site (layer_i/attn, layer_i/mlp), summed over tokens:
+  born        ||y - y_exact||^2 and ||y_exact||^2, where y_exact is the f32 psum of the same
+              partial sums this run reduced: the error the all-reduce adds at this site
+  propagated  ||y - y_f32run||^2 and ||y_f32run||^2, against the psum-f32 run's output at the
+              same site: the error accumulated through all the layers below
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+TOP_K = 5
+KL_PERCENTILE = 99.0
+
+Trace = dict[str, Any]  # models.gemma3 all-reduce trace: {"layer_i": {"attn"|"mlp": {...}}}
+
+
+def local_copy(x: jax.Array) -> jax.Array:
+    """One device's copy of a replicated array, so scoring runs once, not once per replica."""
+    return x.addressable_shards[0].data
+
+
+@functools.partial(jax.jit, static_argnames="num_scored")
+def token_metrics(
+    reference_logits: jax.Array, logits: jax.Array, targets: jax.Array, *, num_scored: int
+) -> dict[str, jax.Array]:
+    """reference_logits, logits [B, L, V] (L >= num_scored), targets [B, num_scored] -> per
+    scored position [B, num_scored]: nll, kl, top1, top5, max_abs, mean_abs, cosine and
+    nonfinite (the count of non-finite logits)."""
+    p_logits = reference_logits[:, :num_scored].astype(jnp.float32)  # [B, T, V]
+    q_logits = logits[:, :num_scored].astype(jnp.float32)  # [B, T, V]
+    log_p = jax.nn.log_softmax(p_logits, axis=-1)
+    log_q = jax.nn.log_softmax(q_logits, axis=-1)
+    nll = -jnp.take_along_axis(log_q, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, T]
+
+    top_p = jax.lax.top_k(p_logits, TOP_K)[1]  # [B, T, K]
+    top_q = jax.lax.top_k(q_logits, TOP_K)[1]  # [B, T, K]
+    shared = jnp.any(top_p[..., :, None] == top_q[..., None, :], axis=-1)  # [B, T, K]
+
+    diff = jnp.abs(q_logits - p_logits)  # [B, T, V]
+    norms = jnp.linalg.norm(p_logits, axis=-1) * jnp.linalg.norm(q_logits, axis=-1)
+    return {
+        "nll": nll,
+        "kl": kl,
+        "top1": (top_p[..., 0] == top_q[..., 0]).astype(jnp.float32),
+        "top5": jnp.mean(shared, axis=-1, dtype=jnp.float32),
+        "max_abs": jnp.max(diff, axis=-1),
+        "mean_abs": jnp.mean(diff, axis=-1),
+        "cosine": jnp.sum(p_logits * q_logits, axis=-1) / norms,
+        "nonfinite": jnp.sum(~jnp.isfinite(q_logits), axis=-1, dtype=jnp.int32),
+    }
+
+
+def sites(trace: Trace) -> Iterator[tuple[str, dict[str, Any]]]:
+    """("layer_i/attn" | "layer_i/mlp", record) in depth order."""
+    for i in range(len(trace)):
+        for kind in ("attn", "mlp"):
+            yield f"layer_{i}/{kind}", trace[f"layer_{i}"][kind]
+
+
+@functools.partial(jax.jit, static_argnames="num_tokens")
+def site_errors(trace: Trace, f32_trace: Trace, *, num_tokens: int) -> jax.Array:
+    """[num_sites, 5] sums over the first `num_tokens` positions of every sequence, per site in
+    depth order: born error^2, exact^2, propagated error^2, psum-f32 run's output^2, non-finite
+    output elements."""
+    rows = []
+    for (_, record), (_, f32_record) in zip(sites(trace), sites(f32_trace), strict=True):
+        (output,) = record["output"]  # [B, L, D]
+        (f32_output,) = f32_record["output"]
+        output = output[:, :num_tokens].astype(jnp.float32)
+        f32_output = f32_output[:, :num_tokens].astype(jnp.float32)
+        rows.append(
+            jnp.stack([
+                jnp.sum(record["error_sq"][0][:, :num_tokens]),
+                jnp.sum(record["exact_sq"][0][:, :num_tokens]),
+                jnp.sum(jnp.square(output - f32_output)),
+                jnp.sum(jnp.square(f32_output)),
+                jnp.sum(record["nonfinite"][0][:, :num_tokens]).astype(jnp.float32),
+            ])
+        )  # fmt: skip
+    return jnp.stack(rows)
+
+
+def summarize(tokens: dict[str, np.ndarray], reference_perplexity: float) -> dict[str, float]:
+    """The report's numbers from per-token arrays (every scored token, concatenated)."""
+    perplexity = float(np.exp(np.mean(tokens["nll"], dtype=np.float64)))
+    return {
+        "perplexity": perplexity,
+        "ppl_abs_change": perplexity - reference_perplexity,
+        "ppl_rel_change": perplexity / reference_perplexity - 1.0,
+        "kl_mean": float(np.mean(tokens["kl"], dtype=np.float64)),
+        "kl_p99": float(np.percentile(tokens["kl"], KL_PERCENTILE)),
+        "kl_max": float(np.max(tokens["kl"])),
+        "top1_agreement": float(np.mean(tokens["top1"], dtype=np.float64)),
+        "top5_overlap": float(np.mean(tokens["top5"], dtype=np.float64)),
+        "logit_max_abs_error": float(np.max(tokens["max_abs"])),
+        "logit_mean_abs_error": float(np.mean(tokens["mean_abs"], dtype=np.float64)),
+        "logit_cosine_mean": float(np.mean(tokens["cosine"], dtype=np.float64)),
+        "logit_cosine_min": float(np.min(tokens["cosine"])),
+        "nonfinite_logits": int(np.sum(tokens["nonfinite"])),
+    }
+
+
+def summarize_sites(names: list[str], sums: np.ndarray) -> list[dict[str, object]]:
+    """Per site: relative born and propagated errors (sqrt of the summed squares' ratio) and
+    the non-finite count, from `site_errors` summed over batches."""
+    rows = []
+    for name, (born_sq, exact_sq, error_sq, base_sq, nonfinite) in zip(names, sums, strict=True):
+        layer, kind = name.split("/")
+        rows.append({
+            "site": name,
+            "layer": int(layer.removeprefix("layer_")),
+            "kind": kind,
+            "born_error": float(np.sqrt(born_sq / exact_sq)) if exact_sq > 0 else 0.0,
+            "error": float(np.sqrt(error_sq / base_sq)) if base_sq > 0 else 0.0,
+            "nonfinite": int(nonfinite),
+        })  # fmt: skip
+    return rows
+
+
+def greedy_agreement(reference: list[list[int]], generated: list[list[int]]) -> dict[str, object]:
+    """Per prompt, how many generated tokens match the reference's before the first
+    divergence (a method that reproduces the reference exactly, EOS included, scores all)."""
+    matched = [_common_prefix(ref, gen) for ref, gen in zip(reference, generated, strict=True)]
+    lengths = [len(ref) for ref in reference]
+    return {
+        "greedy_matched_mean": float(np.mean(matched)),
+        "greedy_matched_fraction": float(sum(matched) / max(sum(lengths), 1)),
+        "greedy_identical": float(np.mean([m == n for m, n in zip(matched, lengths, strict=True)])),
+        "greedy_matched": matched,
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
