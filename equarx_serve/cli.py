@@ -6,6 +6,9 @@
                                [--seq-lens ...] [--methods ...] [--repeats R]
                                [--checkpoint PATH --tokenizer PATH] [--json PATH] [--plot PATH]
     equarx-serve demo [--out-dir DIR]
+    equarx-serve generate --prompt TEXT [--prompt-file PATH] [--chat] [--model NAME] [--tp N]
+                          [--all-reduce METHOD] [--max-tokens N] [--temperature T] [--top-k K]
+                          [--top-p P] [--seed S] [--stop STR] [--json]
     equarx-serve serve [--host H] [--port P] [--model NAME] [--tp N] [--all-reduce METHOD]
                        [--max-batch B] [--max-queue Q] [--max-prompt-tokens N]
 
@@ -19,7 +22,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from equarx_serve import serve_command
+from equarx_serve import generate_command, serve_command
 from equarx_serve.bench import allreduce, prefill
 
 DEMO_DIR = Path("bench-results")
@@ -84,6 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out-dir", type=Path, default=DEMO_DIR, help="default: %(default)s")
     demo.set_defaults(handler=_demo, command_parser=demo)
+
+    generate = commands.add_parser(
+        "generate",
+        help="generate text (streamed) with the tensor-parallel model, with timings",
+        description=generate_command.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate_command.add_arguments(generate)
+    generate.set_defaults(handler=generate_command.run, command_parser=generate)
 
     serve = commands.add_parser(
         "serve",

@@ -1,0 +1,269 @@
+"""`equarx-serve generate`: text generation from the command line, in one process.
+
+    equarx-serve generate --prompt "The quick brown fox" [--prompt ...] [--prompt-file PATH]
+                          [--chat] [--model gemma3-270m] [--tp 2] [--all-reduce equarx-int8]
+                          [--max-tokens 64] [--temperature 0] [--top-k K] [--top-p 1]
+                          [--seed 0] [--stop STR ...] [--json]
+
+The model is sharded over TP host CPU devices (XLA_FLAGS
+--xla_force_host_platform_device_count=TP, set before JAX is imported) and the prompts run as
+one `Generator.generate` call (batches of up to --max-batch, see `equarx_serve/decode.py`).
+A first, short run of the same prompts compiles the programs (its time is reported as
+warm-up; --no-warmup skips it, and the timings then include compilation). One prompt streams
+its text as it is generated; several print at the end. Then: prefill ms, time to first token,
+decode tokens/s, and which all-reduce each phase used (equarx-int8's size gate sends small
+messages, and every decode step's, to psum). --json prints one JSON object instead.
+
+--prompt-file: one prompt a line, or JSON lines {"prompt": "..."}; blank lines are skipped.
+--chat wraps each prompt as a user turn of the Gemma 3 chat template. Random-init models
+("tiny") have no tokenizer: a byte-level one of their vocabulary size is used.
+
+This module imports JAX only when the command runs, so `--help` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+
+DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_ALL_REDUCE = "equarx-int8"
+DEFAULT_MAX_TOKENS = 64
+DEFAULT_MAX_LENGTH = 4096  # prompt + completion tokens; the engine's last length bucket
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"invalid number {text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `generate`."""
+    inputs = parser.add_argument_group("prompts")
+    inputs.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                        help="a prompt (repeatable)")  # fmt: skip
+    inputs.add_argument("--prompt-file", type=Path, metavar="PATH",
+                        help='one prompt a line, or JSON lines {"prompt": ...}')  # fmt: skip
+    inputs.add_argument("--chat", action="store_true",
+                        help="wrap each prompt in the Gemma 3 chat template")  # fmt: skip
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
+                       ", real weights; other names are random-init)")  # fmt: skip
+    model.add_argument("--tp", type=argument_type(int_at_least(1)), default=2, metavar="N",
+                       help="tensor-parallel degree: N host CPU devices (default: 2)")  # fmt: skip
+    model.add_argument(
+        "--all-reduce",
+        type=argument_type(parse_method),
+        default=DEFAULT_ALL_REDUCE,
+        metavar="METHOD",
+        help="NAME or NAME:key=value,... (default: %(default)s; see bench allreduce)",
+    )
+    model.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
+    model.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    model.add_argument("--max-length", type=argument_type(int_at_least(16)),
+                       default=DEFAULT_MAX_LENGTH, metavar="N",
+                       help="longest prompt + completion (default: %(default)s)")  # fmt: skip
+    model.add_argument("--max-batch", type=argument_type(int_at_least(1)), default=8, metavar="B",
+                       help="prompts decoded together (default: %(default)s)")  # fmt: skip
+    sampling = parser.add_argument_group("sampling")
+    sampling.add_argument("--max-tokens", type=argument_type(int_at_least(1)),
+                          default=DEFAULT_MAX_TOKENS, metavar="N",
+                          help="default: %(default)s")  # fmt: skip
+    sampling.add_argument("--temperature", type=argument_type(_float), default=0.0, metavar="T",
+                          help="0 (default) is greedy")  # fmt: skip
+    sampling.add_argument("--top-k", type=argument_type(int_at_least(1)), metavar="K")
+    sampling.add_argument("--top-p", type=argument_type(_float), default=1.0, metavar="P")
+    sampling.add_argument("--seed", type=int, default=0, metavar="S")
+    sampling.add_argument("--stop", action="append", default=[], metavar="STR",
+                          help="stop before this text (repeatable)")  # fmt: skip
+    output = parser.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object")
+    output.add_argument("--no-warmup", action="store_true",
+                        help="skip the compiling run (timings include compiling)")  # fmt: skip
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of --prompt and --prompt-file, in that order; UsageError if none or empty."""
+    prompts = list(args.prompt)
+    if args.prompt_file is not None:
+        try:
+            lines = args.prompt_file.read_text().splitlines()
+        except OSError as e:
+            raise UsageError(f"--prompt-file: {e.strerror}: {args.prompt_file}") from None
+        for n, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            if line.lstrip().startswith("{"):
+                try:
+                    record = json.loads(line)
+                    prompts.append(record["prompt"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise UsageError(
+                        f'--prompt-file line {n}: a JSON line must be {{"prompt": "..."}}'
+                    ) from None
+            else:
+                prompts.append(line)
+    if not prompts:
+        raise UsageError("give at least one --prompt or a --prompt-file")
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise UsageError(f"prompt {i} is empty")
+    return prompts
+
+
+def _use_host_devices(n: int) -> None:
+    """N host CPU devices (read by JAX when it is first imported)."""
+    flags = [
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)
+    ]
+    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={n}"])
+
+
+def _usage_line(usage: dict[str, Any]) -> str:
+    gate = usage["min_size_bytes"]
+    parts = [f"all-reduce {usage['all_reduce']}" + ("" if gate is None else f" (gate {gate} B)")]
+    for phase in ("prefill", "decode"):
+        u = usage[phase]
+        shape = "x".join(map(str, u["shape"]))
+        parts.append(f"{phase} [{shape}] {u['message_bytes']} B -> {u['uses']}")
+    return "; ".join(parts)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Loads the model, generates, prints; 0 on success."""
+    prompts = read_prompts(args)
+    if (args.checkpoint is None) != (args.tokenizer is None):
+        raise UsageError("--checkpoint and --tokenizer go together")
+    if "jax" not in sys.modules:
+        _use_host_devices(args.tp)
+
+    import jax
+
+    from equarx_serve.bench.allreduce import resolve_methods
+    from equarx_serve.collectives import get_all_reduce
+    from equarx_serve.decode import Generator, SamplingParams, chat_prompt
+    from equarx_serve.engine import PrefillEngine
+
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
+    if args.tp > len(jax.devices()):
+        raise UsageError(f"--tp {args.tp} needs {args.tp} devices, JAX has {len(jax.devices())}")
+    started = time.perf_counter()
+    try:
+        engine = PrefillEngine.from_name(
+            args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
+            checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=args.max_length,
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    load_s = time.perf_counter() - started
+    generator = Generator(engine, max_batch=args.max_batch)
+    texts = [chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in prompts]
+    token_lists = [generator.tokenizer.encode(t) for t in texts]
+    for i, tokens in enumerate(token_lists):
+        try:
+            generator.check(tokens, params)
+        except ValueError as e:
+            raise UsageError(f"prompt {i}: {e}") from None
+
+    warmup_s = 0.0
+    if not args.no_warmup:  # the same shapes, each request cancelled at its second token
+        seen: collections.Counter[int] = collections.Counter()
+
+        def two_tokens(i: int, token: int, delta: str) -> bool:
+            seen[i] += 1
+            return seen[i] < 2
+
+        started = time.perf_counter()
+        generator.generate(token_lists, params, on_token=two_tokens)
+        warmup_s = time.perf_counter() - started
+
+    stream = len(prompts) == 1 and not args.json
+
+    def on_token(i: int, token: int, delta: str) -> None:
+        if delta:
+            print(delta, end="", flush=True)
+
+    started = time.perf_counter()
+    completions = generator.generate(token_lists, params, on_token=on_token if stream else None)
+    total_s = time.perf_counter() - started
+    usage = generator.all_reduce_usage(
+        min(len(token_lists), args.max_batch), max(len(t) for t in token_lists)
+    )
+
+    if args.json:
+        record = {
+            "model": args.model,
+            "model_info": engine.info,
+            "dtype": str(engine.dtype),
+            "tp": args.tp,
+            "all_reduce": args.all_reduce.label,
+            "all_reduce_usage": usage,
+            "sampling": {
+                "max_tokens": params.max_tokens,
+                "temperature": params.temperature,
+                "top_k": params.top_k,
+                "top_p": params.top_p,
+                "seed": params.seed,
+                "stop": list(params.stop),
+            },
+            "chat": args.chat,
+            "max_batch": args.max_batch,
+            "load_s": load_s,
+            "warmup_s": warmup_s,
+            "total_s": total_s,
+            "completions": [
+                {
+                    "prompt": prompt,
+                    "text": c.text,
+                    "finish_reason": c.finish_reason,
+                    "prompt_tokens": len(c.prompt_tokens),
+                    "completion_tokens": len(c.tokens),
+                    "tokens": c.tokens,
+                    "prefill_ms": c.prefill_ms,
+                    "time_to_first_token_ms": c.time_to_first_token_ms,
+                    "decode_ms": c.decode_ms,
+                    "decode_tokens_per_s": c.decode_tokens_per_s,
+                }
+                for prompt, c in zip(prompts, completions, strict=True)
+            ],
+        }
+        print(json.dumps(record, indent=1))
+        return 0
+
+    if stream:
+        print()
+    else:
+        for i, (prompt, c) in enumerate(zip(prompts, completions, strict=True)):
+            print(f"=== {i}: {prompt}\n{c.text}\n")
+    print(f"-- {args.model}, TP={args.tp}, {engine.dtype}; load {load_s:.1f} s, "
+          f"warm-up (compile) {warmup_s:.1f} s, generate {total_s:.2f} s")  # fmt: skip
+    for i, c in enumerate(completions):
+        print(
+            f"[{i}] {len(c.prompt_tokens)} prompt + {len(c.tokens)} tokens ({c.finish_reason}): "
+            f"prefill {c.prefill_ms:.1f} ms, time to first token "
+            f"{c.time_to_first_token_ms:.1f} ms, decode {c.decode_tokens_per_s:.1f} tokens/s"
+        )
+    print(f"-- {_usage_line(usage)}")
+    return 0
