@@ -9,6 +9,8 @@
     equarx-serve generate --prompt TEXT [--prompt-file PATH] [--chat] [--model NAME] [--tp N]
                           [--all-reduce METHOD] [--max-tokens N] [--temperature T] [--top-k K]
                           [--top-p P] [--seed S] [--stop STR] [--json]
+    equarx-serve eval [--model NAME] [--tp N] [--methods ...] [--text PATH] [--seq-len L]
+                      [--num-seqs K] [--json PATH] [--report PATH] [--check THRESHOLDS]
     equarx-serve serve [--host H] [--port P] [--model NAME] [--tp N] [--all-reduce METHOD]
                        [--max-batch B] [--max-queue Q] [--max-prompt-tokens N]
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from equarx_serve import generate_command, serve_command
 from equarx_serve.bench import allreduce, prefill
+from eval import command as eval_command
 
 DEMO_DIR = Path("bench-results")
 # The demo compares EQuARX's schedules and rotation against every registered all-reduce.
@@ -87,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out-dir", type=Path, default=DEMO_DIR, help="default: %(default)s")
     demo.set_defaults(handler=_demo, command_parser=demo)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="quality of each all-reduce against BF16 psum (perplexity, KL, top-1, per-layer "
+        "error), with a regression gate",
+        description=eval_command.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    eval_command.add_arguments(evaluate)
+    evaluate.set_defaults(handler=eval_command.run, command_parser=evaluate)
 
     generate = commands.add_parser(
         "generate",

@@ -1,0 +1,191 @@
+"""`equarx-serve eval`: quality of every all-reduce against BF16 `psum`, and a regression gate.
+
+    equarx-serve eval [--model gemma3-270m] [--tp 2] [--methods ...] [--text PATH]
+                      [--seq-len 512] [--num-seqs 16] [--batch-size 2]
+                      [--greedy-prompts 8] [--greedy-tokens 32]
+                      [--json PATH] [--report PATH] [--plot PATH] [--check THRESHOLDS]
+
+Runs in one process on TP host CPU devices. The reference (`psum`, BF16 model) and the
+`psum-f32` floor always run; `--methods` adds to them (default: ring, naive-int8,
+equarx-int8; each NAME or NAME:key=value,...). Quantized methods run with their size gate
+off (min_size_bytes=0) unless the spec sets it. Prints the table; --json, --report (Markdown)
+and --plot (PNG, per-layer all-reduce error) write the rest (default: all three under
+eval-results/). --check FILE also evaluates the methods the file names and exits 1 when a
+limit fails (see eval/gate.py; eval/thresholds.toml is the repo's gate for the default run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from eval import harness
+
+OUT_DIR = Path("eval-results")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of `eval`."""
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--model",
+        default=harness.DEFAULT_MODEL,
+        help="config name (default: %(default)s, real weights; other names are random-init)",
+    )
+    model.add_argument(
+        "--tp",
+        type=argument_type(int_at_least(1)),
+        default=2,
+        metavar="N",
+        help="tensor-parallel degree: N host CPU devices (default: 2)",
+    )
+    model.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
+    model.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        type=argument_type(parse_method),
+        default=[parse_method(m) for m in harness.DEFAULT_METHODS],
+        metavar="METHOD",
+        help="all-reduces, NAME or NAME:key=value,... (default: "
+        f"{' '.join(harness.DEFAULT_METHODS)}; psum and psum-f32 always run)",
+    )
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--text",
+        type=Path,
+        metavar="PATH",
+        help="a text file, a JSON-lines file "
+        '({"text": ...} a line) or a folder of them (default: CPython\'s '
+        "reference topics, see eval/corpus.py)",
+    )
+    data.add_argument(
+        "--seq-len",
+        type=argument_type(int_at_least(2)),
+        default=harness.DEFAULT_SEQ_LEN,
+        metavar="L",
+        help="tokens per window, BOS included (default: %(default)s)",
+    )
+    data.add_argument(
+        "--num-seqs",
+        type=argument_type(int_at_least(1)),
+        default=harness.DEFAULT_NUM_SEQS,
+        metavar="K",
+        help="windows scored (default: %(default)s)",
+    )
+    data.add_argument(
+        "--batch-size",
+        type=argument_type(int_at_least(1)),
+        default=harness.DEFAULT_BATCH_SIZE,
+        metavar="B",
+        help="windows per forward pass (default: %(default)s)",
+    )
+    data.add_argument(
+        "--greedy-prompts",
+        type=argument_type(int_at_least(0)),
+        default=harness.DEFAULT_GREEDY_PROMPTS,
+        metavar="N",
+        help="prompts for greedy agreement, 0 to skip (default: %(default)s)",
+    )
+    data.add_argument(
+        "--greedy-tokens",
+        type=argument_type(int_at_least(1)),
+        default=harness.DEFAULT_GREEDY_TOKENS,
+        metavar="N",
+        help="tokens generated per prompt (default: %(default)s)",
+    )
+    output = parser.add_argument_group("output")
+    output.add_argument(
+        "--json",
+        type=Path,
+        metavar="PATH",
+        help=f"every number and the settings (default: {OUT_DIR}/eval.json)",
+    )
+    output.add_argument(
+        "--report", type=Path, metavar="PATH", help=f"Markdown report (default: {OUT_DIR}/eval.md)"
+    )
+    output.add_argument(
+        "--plot",
+        type=Path,
+        metavar="PATH",
+        help=f"per-layer error plot, PNG (default: {OUT_DIR}/eval.png)",
+    )
+    output.add_argument(
+        "--check",
+        type=Path,
+        metavar="THRESHOLDS",
+        help="limits (TOML) to check; exit 1 if one fails",
+    )
+
+
+def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harness.EvalConfig:
+    if (args.checkpoint is None) != (args.tokenizer is None):
+        raise UsageError("--checkpoint and --tokenizer go together")
+    if args.text is not None and not args.text.exists():
+        raise UsageError(f"--text: no such file or folder: {args.text}")
+    labels = [m.label for m in args.methods]
+    if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
+        raise UsageError(f"method(s) given more than once: {', '.join(duplicates)}")
+    methods = list(args.methods)
+    methods += [parse_method(m) for m in extra_methods if m not in labels]
+    return harness.EvalConfig(
+        model=args.model,
+        tp=args.tp,
+        methods=tuple(methods),
+        text=args.text,
+        seq_len=args.seq_len,
+        num_seqs=args.num_seqs,
+        batch_size=args.batch_size,
+        greedy_prompts=args.greedy_prompts,
+        greedy_tokens=args.greedy_tokens,
+        greedy_prompt_len=min(harness.DEFAULT_GREEDY_PROMPT_LEN, args.seq_len),
+        checkpoint=args.checkpoint,
+        tokenizer=args.tokenizer,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """0 when the run (and --check, if given) passes, 1 when a limit fails."""
+    from eval import gate
+
+    limits = None
+    if args.check is not None:
+        try:
+            limits = gate.load_thresholds(args.check)
+        except ValueError as e:
+            raise UsageError(f"--check: {e}") from None
+    config = config_from_args(args, gate.methods_named(limits) if limits else [])
+
+    from equarx_serve.devices import set_host_device_count
+
+    set_host_device_count(config.tp)
+    from tqdm import tqdm
+
+    from equarx_serve.bench.allreduce import resolve_methods
+    from eval import report as report_lib
+
+    resolve_methods(config.all_methods())  # UsageError for unknown names or options
+    with tqdm(total=config.num_seqs, unit="seq", desc="eval", file=sys.stderr) as bar:
+        try:
+            report = harness.run_eval(config, progress=bar.update, log=bar.write)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    print(report_lib.format_table(report))
+    json_path = args.json or OUT_DIR / "eval.json"
+    plot_path = args.plot or OUT_DIR / "eval.png"
+    markdown_path = args.report or OUT_DIR / "eval.md"
+    report_lib.write_json(report, json_path)
+    report_lib.write_plot(report, plot_path)
+    report_lib.write_markdown(report, markdown_path, plot_path)
+    print(f"wrote {json_path}, {markdown_path}, {plot_path}")
+    if limits is None:
+        return 0
+    checks = gate.check(report, limits)
+    print(f"\nchecks from {args.check}:")
+    for c in checks:
+        print(c.describe())
+    failed = [c for c in checks if not c.passed]
+    print(f"{len(checks) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0

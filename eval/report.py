@@ -1,0 +1,150 @@
+"""The eval report in four forms: a terminal table, JSON (every number and the settings),
+Markdown, and a PNG of the per-layer all-reduce error by method."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# (header, key, format) of the summary table, in order.
+COLUMNS = (
+    ("method", None, "{}"),
+    ("ppl", "perplexity", "{:.4f}"),
+    ("Δppl", "ppl_rel_change", "{:+.3%}"),
+    ("KL mean", "kl_mean", "{:.2e}"),
+    ("KL p99", "kl_p99", "{:.2e}"),
+    ("KL max", "kl_max", "{:.2e}"),
+    ("top-1", "top1_agreement", "{:.2%}"),
+    ("top-5", "top5_overlap", "{:.2%}"),
+    ("logit max|Δ|", "logit_max_abs_error", "{:.3f}"),
+    ("logit mean|Δ|", "logit_mean_abs_error", "{:.4f}"),
+    ("cosine", "logit_cosine_mean", "{:.6f}"),
+    ("AR err last", "final_layer_error", "{:.2%}"),
+    ("AR born max", "max_born_error", "{:.2%}"),
+    ("greedy", "greedy_matched_mean", "{:.1f}"),
+    ("non-finite", "nonfinite", "{}"),
+)
+LEGEND = (
+    "Against the reference ({reference}, BF16 model) over {scored} scored tokens. Δppl: "
+    "relative perplexity change. KL: KL(reference || method), nats per token. top-1: argmax "
+    "agreement; top-5: overlap of the five most likely tokens. AR err last: relative error of "
+    "the last all-reduce's output against the {floor} run's (accumulated through all layers); "
+    "AR born max: the largest error one all-reduce adds to its own exact f32 sum. greedy: "
+    "tokens of {greedy_tokens} greedily generated ones that match the reference's before the "
+    "first divergence (mean over {greedy_prompts} prompts). non-finite: NaN/Inf in logits and "
+    "all-reduce outputs."
+)
+
+
+def _cells(report: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for label, numbers in report["methods"].items():
+        row = [label]
+        for _, key, fmt in COLUMNS[1:]:
+            value = numbers.get(key)
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    return rows
+
+
+def _legend(report: dict[str, Any]) -> str:
+    settings = report["settings"]
+    return LEGEND.format(
+        reference=report["reference"],
+        floor=report["floor"],
+        scored=settings["scored_tokens"],
+        greedy_tokens=settings["greedy"]["tokens"],
+        greedy_prompts=settings["greedy"]["prompts"],
+    )
+
+
+def _title(report: dict[str, Any]) -> str:
+    s = report["settings"]
+    return (
+        f"{s['model']} at TP={s['tp']}, {s['num_seqs']} x {s['seq_len']} tokens of "
+        f"{s['corpus']['name']}"
+    )
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The summary as aligned text columns."""
+    headers = [header for header, _, _ in COLUMNS]
+    rows = _cells(report)
+    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    lines = [_title(report), ""]
+    for row in [headers, *rows]:
+        first, *rest = zip(row, widths, strict=True)
+        lines.append("  ".join([first[0].ljust(first[1]), *(c.rjust(w) for c, w in rest)]))
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def format_markdown(report: dict[str, Any], plot_path: Path | None = None) -> str:
+    s = report["settings"]
+    lines = [f"# Quality of the all-reduce methods: {_title(report)}", ""]
+    lines += ["| " + " | ".join(h for h, _, _ in COLUMNS) + " |"]
+    lines += ["|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in _cells(report)]
+    lines += ["", _legend(report), ""]
+    if plot_path is not None:
+        lines += [f"![per-layer all-reduce error]({plot_path.name})", ""]
+    lines += ["## Settings", ""]
+    lines += [
+        f"- model: `{s['model']}` ({s['dtype']}), weights: "
+        f"`{s['model_info'].get('weights_sha256', s['model_info'].get('source', '?'))}`",
+        f"- TP = {s['tp']} on {', '.join(s['devices'])}",
+        f"- corpus: {s['corpus']['name']}, {s['corpus']['tokens']} tokens, "
+        f"sha256 `{s['corpus']['sha256'][:16]}`",
+        f"- {s['num_seqs']} windows x {s['seq_len']} tokens, batch {s['batch_size']}, "
+        f"{s['scored_tokens']} scored tokens",
+        f"- size gate: {s['size_gate']}",
+        f"- versions: {', '.join(f'{k} {v}' for k, v in s['versions'].items())}",
+        f"- {s['date']}, {s['wall_s']} s",
+        "",
+        "| method | all-reduce | options |",
+        "|---|---|---|",
+    ]
+    for label, method in s["methods"].items():
+        options = ", ".join(f"{k}={v}" for k, v in method["options"].items()) or "-"
+        lines.append(f"| {label} | `{method['name']}` | {options} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(report: dict[str, Any], path: Path, plot_path: Path | None = None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(format_markdown(report, plot_path))
+
+
+def write_plot(report: dict[str, Any], path: Path) -> None:
+    """Two panels over depth (every row-parallel all-reduce, attention then MLP per layer): the
+    error each all-reduce adds to its own exact sum, and the error accumulated by then."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (born_ax, error_ax) = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
+    for label, numbers in report["methods"].items():
+        sites = numbers["per_layer"]
+        x = [site["layer"] + (0.5 if site["kind"] == "mlp" else 0.0) for site in sites]
+        style = {"marker": ".", "label": label}
+        born_ax.plot(x, [max(site["born_error"], 1e-7) for site in sites], **style)
+        error_ax.plot(x, [max(site["error"], 1e-7) for site in sites], **style)
+    born_ax.set_title("born: one all-reduce's error vs its exact f32 sum")
+    error_ax.set_title(f"accumulated: output vs the {report['floor']} run's")
+    for ax in (born_ax, error_ax):
+        ax.set_yscale("log")
+        ax.set_xlabel("layer (attention at n, MLP at n + 0.5)")
+        ax.grid(True, which="both", alpha=0.3)
+    born_ax.set_ylabel("relative L2 error")
+    error_ax.legend(fontsize=8)
+    fig.suptitle(_title(report), fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
