@@ -29,6 +29,7 @@ DEFAULT_MAX_QUEUE = 64
 # Prompt + completion tokens per request. Gemma 3 270M has a 32K context; on CPU long buckets
 # compile and run slowly, so the server's default is shorter (raise it with --max-length).
 DEFAULT_MAX_LENGTH = 2048
+DEFAULT_GRACEFUL_TIMEOUT_S = 120.0
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 logger = logging.getLogger("equarx_serve.server")
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
                         help="how long an idle worker waits to batch more requests "
                         "(default: %(default)s)")  # fmt: skip
+    parser.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT_S,
+                        metavar="S", help="on SIGTERM, how long running requests may take to "
+                        "finish before they are cancelled (default: %(default)s)")  # fmt: skip
     parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     parser.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
     parser.add_argument("--log-level", default="info",
@@ -84,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
     """Load, compile, serve until SIGTERM/SIGINT; 0 after a clean shutdown."""
     if (args.checkpoint is None) != (args.tokenizer is None):
         raise UsageError("--checkpoint and --tokenizer go together")
-    if args.batch_window_ms < 0:
-        raise UsageError("--batch-window-ms must be >= 0")
+    if args.batch_window_ms < 0 or args.graceful_timeout < 0:
+        raise UsageError("--batch-window-ms and --graceful-timeout must be >= 0")
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=None, lifespan="on",
+        timeout_graceful_shutdown=args.graceful_timeout, lifespan="on",
     )  # fmt: skip
     server = uvicorn.Server(config)
     drain_on_exit(server, app)

@@ -179,6 +179,26 @@ def test_chat_stream_matches_non_streamed(client):
     assert chunks[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
 
 
+def test_stop_strings_and_seeds(client):
+    def complete(**extra) -> dict:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 12, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    text = complete(temperature=0.0)["text"]
+    assert len(text) >= 6, text
+    stop = text[3:5]
+    cut = text[: text.index(stop)]
+    choice = complete(temperature=0.0, stop=[stop])
+    assert (choice["text"], choice["finish_reason"]) == (cut, "stop")
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0.0, "stop": stop, "stream": True}
+    r = client.post("/v1/completions", json=body)
+    chunks = sse_events(r.text)[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut
+    sampled = complete(temperature=1.0, top_k=50, top_p=0.9, seed=7)["text"]
+    assert complete(temperature=1.0, top_k=50, top_p=0.9, seed=7)["text"] == sampled
+
+
 def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == [MODEL]
@@ -324,6 +344,16 @@ def test_full_queue_answers_503_at_once(gated):
         assert [r.status_code for r in results] == [200, 200]
 
 
+def test_draining_refuses_new_requests(gated):
+    app = create_app(gated, model_name=MODEL, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app) as client:
+        assert client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}).status_code == 200
+        app.state.scheduler.drain()
+        error = assert_error(client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}), 503)
+        assert error["code"] == "shutting_down"
+        assert client.get("/health").status_code == 503
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -364,7 +394,7 @@ def test_serve_command_end_to_end_and_sigterm():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     process = subprocess.Popen(
         [sys.executable, "-m", "equarx_serve", "serve", "--model", MODEL, "--tp", "2",
-         "--port", str(port), "--max-length", "128", "--log-level", "warning"],
+         "--port", str(port), "--max-length", "512", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
@@ -382,7 +412,15 @@ def test_serve_command_end_to_end_and_sigterm():
         r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert "equarx_model_info" in httpx.get(f"{url}/metrics").text
-        process.send_signal(signal.SIGTERM)
+        # SIGTERM while a long stream runs: it still finishes, then the process exits 0.
+        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "stream": True,
+                "stream_options": {"include_usage": True}}  # fmt: skip
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            process.send_signal(signal.SIGTERM)
+            events = sse_events("\n\n".join(line for line in lines if line))
+        assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] == 400
         assert process.wait(60) == 0, process.stdout.read()
     finally:
         if process.poll() is None:
