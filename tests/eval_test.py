@@ -1,0 +1,261 @@
+"""The eval harness: corpus windows, metrics against hand-computed values, the threshold gate,
+and whole runs on the "tiny" model at TP=2 (reference, floor, quantized methods; the CLI's
+exit codes for a passing, a failing and a malformed gate)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+
+import numpy as np
+import pytest
+from conftest import mesh_of
+
+from equarx_serve import cli
+from equarx_serve.bench.allreduce import parse_method
+from eval import corpus, gate, harness, metrics
+from models.config import get_config
+
+# -- corpus -------------------------------------------------------------------------------------
+
+
+def test_default_corpus_is_fixed_text_that_ships_with_python():
+    first, second = corpus.default_corpus(), corpus.default_corpus()
+    assert first.sha256 == second.sha256
+    assert first.num_chars > 100_000 and len(first.documents) > 50
+
+
+def test_user_corpus_from_a_file_a_jsonl_file_and_a_folder(tmp_path):
+    (tmp_path / "a.txt").write_text("first document")
+    (tmp_path / "b.jsonl").write_text('{"text": "second"}\n\n{"text": "third"}\n')
+    (tmp_path / "ignored.bin").write_bytes(b"\x00\x01")
+    assert corpus.load_corpus(tmp_path / "a.txt").documents == ("first document",)
+    assert corpus.load_corpus(tmp_path / "b.jsonl").documents == ("second", "third")
+    assert corpus.load_corpus(tmp_path).documents == ("first document", "second", "third")
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"text": 3}\n', 'a "text" string'),
+        ("not json\n", "not JSON"),
+        ("   \n", "no text"),
+    ],
+)
+def test_bad_corpus_files_say_what_is_wrong(tmp_path, content, message):
+    path = tmp_path / ("bad.jsonl" if "{" in content or "json" in content else "empty.txt")
+    path.write_text(content)
+    with pytest.raises(ValueError, match=message):
+        corpus.load_corpus(path)
+    with pytest.raises(ValueError, match="no such file"):
+        corpus.load_corpus(tmp_path / "missing.txt")
+
+
+def test_windows_are_bos_then_consecutive_stream_tokens_evenly_spaced():
+    stream = np.arange(100, 200, dtype=np.int32)  # 100 tokens: 11 windows of 1 + 9
+    windows = corpus.make_windows(stream, bos_id=2, seq_len=10, num_seqs=3)
+    assert windows.shape == (3, 10)
+    assert (windows[:, 0] == 2).all()
+    np.testing.assert_array_equal(windows[0, 1:], np.arange(100, 109))  # the first window
+    np.testing.assert_array_equal(windows[-1, 1:], np.arange(190, 199))  # the last whole one
+    assert len(corpus.make_windows(stream, bos_id=2, seq_len=10, num_seqs=50)) == 11
+    with pytest.raises(ValueError, match="too short for one window"):
+        corpus.make_windows(stream[:5], bos_id=2, seq_len=10, num_seqs=1)
+
+
+# -- metrics ------------------------------------------------------------------------------------
+
+
+def _log_softmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def test_token_metrics_match_numpy():
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(2, 5, 40)).astype(np.float32)
+    method = reference + rng.normal(scale=0.3, size=reference.shape).astype(np.float32)
+    targets = rng.integers(0, 40, size=(2, 4)).astype(np.int32)
+    got = metrics.token_metrics(reference, method, targets, num_scored=4)
+
+    log_p, log_q = _log_softmax(reference[:, :4]), _log_softmax(method[:, :4])
+    kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    nll = -np.take_along_axis(log_q, targets[..., None], -1)[..., 0]
+    top1 = reference[:, :4].argmax(-1) == method[:, :4].argmax(-1)
+    np.testing.assert_allclose(got["kl"], kl, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(got["nll"], nll, rtol=1e-5)
+    np.testing.assert_array_equal(got["top1"], top1)
+    np.testing.assert_allclose(got["max_abs"], np.abs(method - reference)[:, :4].max(-1))
+    assert (np.asarray(got["nonfinite"]) == 0).all()
+
+
+def test_identical_logits_have_no_error_and_nan_is_counted():
+    logits = np.random.default_rng(1).normal(size=(1, 3, 16)).astype(np.float32)
+    got = metrics.token_metrics(logits, logits, np.zeros((1, 3), np.int32), num_scored=3)
+    np.testing.assert_allclose(got["kl"], 0.0, atol=1e-6)
+    np.testing.assert_array_equal(got["top5"], 1.0)
+    np.testing.assert_allclose(got["cosine"], 1.0, rtol=1e-6)
+    broken = logits.copy()
+    broken[0, 1, 3] = np.nan
+    got = metrics.token_metrics(logits, broken, np.zeros((1, 3), np.int32), num_scored=3)
+    np.testing.assert_array_equal(got["nonfinite"], [[0, 1, 0]])
+
+
+def test_greedy_agreement_counts_tokens_before_the_first_divergence():
+    result = metrics.greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 9, 7, 8]])
+    assert result["greedy_matched"] == [4, 1]
+    assert result["greedy_matched_mean"] == 2.5
+    assert result["greedy_identical"] == 0.5
+
+
+# -- gate ---------------------------------------------------------------------------------------
+
+REPORT = {
+    "methods": {
+        "psum": {"ppl_rel_change": 0.0, "top1_agreement": 1.0, "nonfinite": 0},
+        "equarx-int8": {"ppl_rel_change": 0.004, "top1_agreement": 0.97, "nonfinite": 0},
+    }
+}
+
+
+def _thresholds(tmp_path, text):
+    path = tmp_path / "thresholds.toml"
+    path.write_text(text)
+    return path
+
+
+def test_gate_passes_and_fails_on_each_limit(tmp_path):
+    limits = gate.load_thresholds(
+        _thresholds(
+            tmp_path,
+            '[all]\nmax_nonfinite = 0\n[methods."equarx-int8"]\n'
+            "max_ppl_rel_change = 0.005\nmin_top1_agreement = 0.99\n",
+        )
+    )
+    assert gate.methods_named(limits) == ["equarx-int8"]
+    checks = {(c.method, c.limit.number): c for c in gate.check(REPORT, limits)}
+    assert checks["psum", "nonfinite"].passed and checks["equarx-int8", "nonfinite"].passed
+    assert checks["equarx-int8", "ppl_rel_change"].passed
+    failed = checks["equarx-int8", "top1_agreement"]
+    assert not failed.passed
+    assert failed.describe().split()[:4] == ["FAIL", "equarx-int8", "top1_agreement", "0.97"]
+
+
+def test_a_method_that_did_not_run_fails_its_checks(tmp_path):
+    limits = gate.load_thresholds(_thresholds(tmp_path, "[methods.ring]\nmin_top1_agreement = 0"))
+    (result,) = gate.check(REPORT, limits)
+    assert not result.passed and "not measured" in result.describe()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[methods.x]\nmax_speed = 1\n", "not a limit"),
+        ('[methods.x]\nmax_kl_mean = "small"\n', "must be a number"),
+        ("[nonsense]\nmax_kl_mean = 1\n", "unknown table"),
+        ("[methods.x\n", "not valid TOML"),
+        ("", "no limits"),
+    ],
+)
+def test_malformed_thresholds_are_rejected_before_anything_runs(tmp_path, text, message):
+    with pytest.raises(ValueError, match=message):
+        gate.load_thresholds(_thresholds(tmp_path, text))
+
+
+# -- whole runs on the tiny model ---------------------------------------------------------------
+
+TINY = dict(model="tiny", tp=2, seq_len=40, num_seqs=3, batch_size=2,
+            greedy_prompts=2, greedy_prompt_len=12, greedy_tokens=6)  # fmt: skip
+TINY_FLAGS = ["--model", "tiny", "--tp", "2", "--seq-len", "40", "--num-seqs", "2",
+              "--greedy-prompts", "1", "--greedy-tokens", "4"]  # fmt: skip
+
+
+@functools.cache
+def _tiny_report():
+    mesh_of(2)  # skips without 2 devices
+    methods = ("ring", "naive-int8", "equarx-int8", "equarx-int8:min_size_bytes=1048576")
+    config = harness.EvalConfig(methods=tuple(parse_method(m) for m in methods), **TINY)
+    return harness.run_eval(config)
+
+
+def test_report_holds_every_method_with_the_reference_first():
+    report = _tiny_report()
+    assert report["reference"] == "psum" and report["floor"] == "psum-f32"
+    assert list(report["methods"])[:2] == ["psum", "psum-f32"]
+    for numbers in report["methods"].values():
+        for key in ("perplexity", "ppl_rel_change", "kl_mean", "kl_p99", "top1_agreement",
+                    "top5_overlap", "logit_max_abs_error", "greedy_matched_mean"):  # fmt: skip
+            assert math.isfinite(numbers[key]), key
+        assert len(numbers["per_layer"]) == 2 * get_config("tiny").num_layers
+        assert numbers["nonfinite"] == 0
+    settings = report["settings"]
+    assert settings["scored_tokens"] == 3 * 39
+    assert settings["corpus"]["sha256"] == corpus.default_corpus().sha256
+    assert settings["methods"]["equarx-int8"]["options"]["min_size_bytes"] == 0
+    json.dumps(report)  # every number serializes
+
+
+def test_reference_against_itself_is_exact_and_lossless_methods_sit_at_the_floor():
+    methods = _tiny_report()["methods"]
+    reference = methods["psum"]
+    assert reference["kl_mean"] == 0 and reference["top1_agreement"] == 1
+    assert reference["greedy_identical"] == 1
+    for lossless in ("psum-f32", "ring"):  # f32 sums, 16-bit words: no quantization
+        assert methods[lossless]["final_layer_error"] < 1e-2
+        assert methods[lossless]["kl_mean"] < 1e-5
+
+
+def test_quantized_methods_show_their_error_and_naive_int8_is_worse():
+    methods = _tiny_report()["methods"]
+    equarx, naive = methods["equarx-int8"], methods["naive-int8"]
+    assert 1e-3 < equarx["max_born_error"] < 0.03
+    assert equarx["final_layer_error"] > methods["psum-f32"]["final_layer_error"]
+    assert naive["final_layer_error"] > equarx["final_layer_error"]
+    assert naive["max_born_error"] > equarx["max_born_error"]
+    # The size gate left on: these messages are far below 1 MiB, so equarx is plain psum.
+    assert methods["equarx-int8:min_size_bytes=1048576"]["kl_mean"] == 0
+
+
+def test_per_layer_error_covers_every_all_reduce_in_depth_order():
+    per_layer = _tiny_report()["methods"]["equarx-int8"]["per_layer"]
+    assert _tiny_report()["settings"]["model_info"]["source"] == "random-init"
+    assert [site["kind"] for site in per_layer[:2]] == ["attn", "mlp"]
+    assert [site["layer"] for site in per_layer] == sorted(site["layer"] for site in per_layer)
+    assert all(site["born_error"] > 0 for site in per_layer)
+
+
+def test_cli_gate_exit_codes_and_reports(tmp_path, capsys):
+    mesh_of(2)
+    passing = _thresholds(tmp_path, '[all]\nmax_nonfinite = 0\n[methods."equarx-int8"]\n'
+                          "min_top1_agreement = 0\n")  # fmt: skip
+    out = tmp_path / "out"
+    flags = [*TINY_FLAGS, "--methods", "psum", "--json", str(out / "e.json"),
+             "--report", str(out / "e.md"), "--plot", str(out / "e.png")]  # fmt: skip
+    assert cli.main(["eval", *flags, "--check", str(passing)]) == 0
+    printed = capsys.readouterr().out
+    assert "PASS  equarx-int8" in printed and "0 failed" in printed
+    report = json.loads((out / "e.json").read_text())
+    assert set(report["methods"]) == {"psum", "psum-f32", "equarx-int8"}  # added by the gate
+    assert "| equarx-int8 |" in (out / "e.md").read_text()
+    assert (out / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+    failing = _thresholds(tmp_path, '[methods."equarx-int8"]\nmin_top1_agreement = 1.01\n')
+    assert cli.main(["eval", *flags, "--check", str(failing)]) == 1
+    assert "FAIL  equarx-int8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--check", "missing.toml"], "no such thresholds file"),
+        (["--methods", "psum", "psum"], "more than once"),
+        (["--methods", "no-such-reduce"], "unknown all-reduce"),
+        (["--text", "missing-dir"], "no such file or folder"),
+    ],
+)
+def test_cli_rejects_bad_input_with_a_usage_error(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["eval", *TINY_FLAGS, *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
