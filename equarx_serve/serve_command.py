@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.log_level != "debug":
+        logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing at import
     set_device_count(args.tp)
     import uvicorn
 

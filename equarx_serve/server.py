@@ -217,7 +217,7 @@ class Scheduler:
     def stop(self, timeout_s: float | None = None) -> None:
         """Drain, let the worker finish everything queued, join it."""
         self.drain()
-        if self._thread is None:
+        if not self.alive:
             return
         self._queue.put(_STOP)  # after every queued job (FIFO)
         self._thread.join(timeout_s)
@@ -247,8 +247,15 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             jobs, stop = self._take_batch()
-            if jobs:
-                self._generate(jobs)
+            try:
+                if jobs:
+                    self._generate(jobs)
+            except Exception as e:  # the worker must outlive any failure
+                logger.exception("worker error")
+                for job in jobs:
+                    if not job.finished:
+                        job.finished = True
+                        job.post(("error", e))
             if stop:
                 return
 
@@ -395,7 +402,7 @@ def create_app(
     engine = generator.engine
     tokenizer = tokenizer if tokenizer is not None else generator.tokenizer
     context = generator.max_context
-    max_prompt = min(max_prompt_tokens or context, context)
+    max_prompt = min(max_prompt_tokens or context - 1, context - 1)  # room for one token
     max_batch = max_batch or getattr(generator, "max_batch", 1)
     usage = _all_reduce_usage(generator, max_batch, min(USAGE_PROMPT_TOKENS, context))
     metrics = ServerMetrics(model_name=model_name, engine=engine, all_reduce_usage=usage)
@@ -511,7 +518,7 @@ def create_app(
 
     def check_prompt(tokens: list[int], param: str) -> None:
         if len(tokens) > max_prompt:
-            limit = "the context length" if max_prompt == context else "--max-prompt-tokens"
+            limit = "the context length" if max_prompt == context - 1 else "max_prompt_tokens"
             raise _bad_request(
                 f"the prompt is {len(tokens)} tokens, longer than this server's limit of "
                 f"{max_prompt} ({limit})", param, "context_length_exceeded",
