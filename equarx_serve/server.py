@@ -92,8 +92,17 @@ def _bad_request(message: str, param: str | None = None, code: str | None = None
 # -- request bodies ----------------------------------------------------------------------------
 class _Strict(BaseModel):
     # Strict: "5" is not an int, true is not a number; unknown fields are ignored (clients send
-    # e.g. "user" or "logprobs": null).
+    # e.g. "user" or "logprobs": null), except the features below when they ask for something.
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+# OpenAI parameters this server does not implement: 400 unless set to their no-op value.
+UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []), "functions": (None, []), "response_format": (None, {"type": "text"}),
+}  # fmt: skip
 
 
 class StreamOptions(_Strict):
@@ -101,6 +110,7 @@ class StreamOptions(_Strict):
 
 
 class _SamplingBody(_Strict):
+    model_config = ConfigDict(strict=True, extra="allow")  # extras: checked by UNSUPPORTED
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -468,6 +478,10 @@ def create_app(
 
     # -- validation ------------------------------------------------------------------------
     def check_model(body: _SamplingBody) -> None:
+        for name, value in (body.model_extra or {}).items():
+            if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+                raise _bad_request(f"{name}={json.dumps(value)[:60]} is not supported by this "
+                                   "server", name, "unsupported_parameter")  # fmt: skip
         if body.model is not None and body.model != model_name:
             raise APIError(
                 404, f"The model {body.model!r} does not exist; this server serves "

@@ -127,7 +127,8 @@ def assert_error(response: httpx.Response, status: int, param: str | None = None
 
 # -- completions and chat ----------------------------------------------------------------------
 def test_completion_stream_matches_non_streamed(client, generator):
-    r = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, **GREEDY})
+    noop = {"user": "u1", "logprobs": None, "echo": False, "presence_penalty": 0}
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, **GREEDY, **noop})
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == MODEL
@@ -243,6 +244,8 @@ BAD_COMPLETIONS = [
     ({"prompt": PROMPT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"prompt": PROMPT, "stream": "yes"}, 400, "stream"),
     ([PROMPT], 400, None),
+    ({"prompt": PROMPT, "logprobs": 5}, 400, "logprobs"),
+    ({"prompt": PROMPT, "echo": True}, 400, "echo"),
 ]
 BAD_CHATS = [
     ({"messages": []}, 400, "messages"),
@@ -250,6 +253,8 @@ BAD_CHATS = [
     ({"messages": [{"role": "tool", "content": "x"}]}, 400, None),
     ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ({"messages": "hello"}, 400, "messages"),
+    ({"messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}, 400, "tools"),
 ]
 
 
