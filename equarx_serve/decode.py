@@ -310,6 +310,7 @@ def sample_tokens(
     scaled = logits / jnp.maximum(temperature, MIN_TEMPERATURE)[:, None]  # [B, V]
     threshold = jnp.full((batch, 1), -jnp.inf)  # [B, 1]: keep logits >= threshold
     if mode == "top_k":
+        max_k = min(max_k, vocab)
         top_values = lax.top_k(scaled, max_k)[0]  # [B, max_k], descending
         kth = jnp.take_along_axis(top_values, jnp.clip(top_k - 1, 0, max_k - 1)[:, None], axis=-1)
         threshold = jnp.where(top_k[:, None] > 0, kth, threshold)
@@ -398,6 +399,9 @@ class Generator:
             for i in range(engine.config.num_layers)
         }
         self._insert = jax.jit(_insert_rows, donate_argnums=0, out_shardings=self._cache_shardings)
+        layers, config, dtype = tuple(self._cache_shardings), engine.config, engine.dtype
+        zeros = functools.partial(_zeros_cache, layers=layers, config=config, dtype=dtype)
+        self._zeros = jax.jit(zeros, static_argnums=(0, 1), out_shardings=self._cache_shardings)
 
     # -- checks and reports ------------------------------------------------------------------
 
@@ -430,16 +434,20 @@ class Generator:
         "prefill" / "decode": {"shape", "message_bytes", "uses"}}. A row-parallel message is
         [B, L, D] in the parameter dtype (L: the prompt's length bucket at prefill, 1 at
         decode); "uses" is the method's name, or "psum (size gate)" when it is below
-        `min_size_bytes`."""
+        `min_size_bytes`. Prefill batches are padded to a power of two (see `generate`)."""
         ar, config = self.engine.all_reduce, self.engine.config
         itemsize = jnp.dtype(self.engine.dtype).itemsize
         is_gated = getattr(ar, "is_gated", None)
         phases = {}
-        for phase, length in (("prefill", self.engine.bucket_for(prompt_len)), ("decode", 1)):
-            elements = batch * length * config.embed_dim
+        shapes = (
+            ("prefill", _pow2_at_least(batch), self.engine.bucket_for(prompt_len)),
+            ("decode", batch, 1),
+        )
+        for phase, rows, length in shapes:
+            elements = rows * length * config.embed_dim
             gated = bool(is_gated(elements, self.engine.dtype)) if is_gated else False
             phases[phase] = {
-                "shape": [batch, length, config.embed_dim],
+                "shape": [rows, length, config.embed_dim],
                 "message_bytes": elements * itemsize,
                 "uses": "psum (size gate)" if gated else ar.name,
             }
@@ -599,19 +607,8 @@ class Generator:
         return jax.device_put(value, self._replicated)
 
     def _empty_cache(self, slots: int, capacity: int) -> dict[str, dict[str, jax.Array]]:
-        c = self.engine.config
-        kv_heads = c.num_kv_heads
-        shape = (slots, capacity, kv_heads, c.head_dim)
-        dtype = self.engine.dtype
-
-        @functools.partial(jax.jit, out_shardings=self._cache_shardings)
-        def zeros():
-            return {
-                name: {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-                for name in self._cache_shardings
-            }
-
-        return zeros()
+        """Zeros [slots, capacity, K, H] for every layer's k and v, placed on the mesh."""
+        return self._zeros(slots, capacity)
 
     def _admit(
         self,
@@ -660,6 +657,11 @@ class Generator:
             max_k=max_k,
         )
         return np.asarray(tokens)
+
+
+def _zeros_cache(slots, capacity, *, layers, config, dtype):
+    shape = (slots, capacity, config.num_kv_heads, config.head_dim)  # [B, S, K, H]
+    return {name: {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for name in layers}
 
 
 def _insert_rows(cache, prefill_cache, dst):

@@ -38,6 +38,7 @@ DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_MAX_LENGTH = 4096  # prompt + completion tokens; the engine's last length bucket
+DTYPES = ("bfloat16", "float32")
 DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     model.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    model.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                       help="parameter dtype (default: %(default)s; XLA:CPU runs bf16 matmuls "
+                       "several times slower than f32)")  # fmt: skip
     model.add_argument("--max-length", type=argument_type(int_at_least(16)),
                        default=DEFAULT_MAX_LENGTH, metavar="N",
                        help="longest prompt + completion (default: %(default)s)")  # fmt: skip
@@ -149,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         _use_host_devices(args.tp)
 
     import jax
+    import jax.numpy as jnp
 
     from equarx_serve.bench.allreduce import resolve_methods
     from equarx_serve.collectives import get_all_reduce
@@ -174,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         engine = PrefillEngine.from_name(
             args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
             checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=args.max_length,
+            dtype=jnp.dtype(args.dtype),
         )  # fmt: skip
     except ValueError as e:
         raise UsageError(str(e)) from None
