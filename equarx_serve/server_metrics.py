@@ -46,8 +46,8 @@ class ServerMetrics:
             "equarx_prompt_tokens", "Prompt tokens of finished requests", registry=r
         )
         self.generated_tokens = Counter(
-            "equarx_generation_tokens", "Tokens generated (streamed tokens of cancelled requests "
-            "included)", registry=r,
+            "equarx_generation_tokens", "Tokens generated for finished requests (not counting "
+            "those of cancelled ones)", registry=r,
         )  # fmt: skip
         self.finished = Counter(
             "equarx_requests_finished", "Generations by finish reason", ["finish_reason"],
