@@ -12,12 +12,14 @@ How `Generator.generate` runs a list of requests on SLOTS = min(len(prompts), ma
      the longest prompt + max_tokens, so the decode program is compiled once per
      (SLOTS, CAPACITY) and reused by every step.
   2. Waiting requests are admitted into free slots: their prompts are prefilled as one batch
-     (padded to a power of two with copies of the first prompt: few programs), each prompt's
+     (padded with copies of the first prompt to a power of two, and to at least MIN_ROWS = 2
+     rows: few programs, and no slow 1-row matmuls on CPU), each prompt's
      KV cache [bucket] is copied into its slot of the [SLOTS, CAPACITY, K, H] cache, and its
      first token is sampled from the prefill's last-token logits.
   3. One decode step (`TensorParallelGemma3.decode`) runs every slot: each sequence's last
      token at position = its length; its k/v are written there and it attends over positions
-     <= length (a sliding window on local layers). Idle slots run too; their output is unused.
+     <= length (a sliding window on local layers). Idle slots run too (and one idle row when
+     SLOTS = 1, see MIN_ROWS); their output is unused.
   4. Sampling runs on device, row by row: greedy (temperature 0), or temperature with optional
      top-k then top-p, from the key fold_in(PRNGKey(seed), step): a request's tokens depend on
      its seed and its own step, not on the batch around it.
@@ -69,6 +71,10 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 # Temperatures below this are clamped (0 itself means greedy and never divides).
 MIN_TEMPERATURE = 1e-5
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
+# Prefill and decode batches have at least 2 rows (an idle one if need be): XLA:CPU runs a
+# 1-row bf16 matmul (GEMV) ~7x slower than a 2-row one; measured on this project's machine,
+# [B, 640] x [262144, 640] bf16 (Gemma 3 270M's logits): B = 1 0.28 s, B = 2 0.040 s.
+MIN_ROWS = 2
 
 OnToken = Callable[[int, int, str], bool | None]
 OnFinish = Callable[[int, "Completion"], None]
@@ -365,8 +371,9 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return held
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << (n - 1).bit_length()
+def _prefill_rows(n: int) -> int:
+    """The rows of a prefill batch of n prompts: a power of two (few programs), >= MIN_ROWS."""
+    return max(1 << (n - 1).bit_length(), MIN_ROWS)
 
 
 # The all-reduce usage already logged, per engine.
@@ -434,14 +441,15 @@ class Generator:
         "prefill" / "decode": {"shape", "message_bytes", "uses"}}. A row-parallel message is
         [B, L, D] in the parameter dtype (L: the prompt's length bucket at prefill, 1 at
         decode); "uses" is the method's name, or "psum (size gate)" when it is below
-        `min_size_bytes`. Prefill batches are padded to a power of two (see `generate`)."""
+        `min_size_bytes`. Batches are padded (prefill: to a power of two; both: to at least
+        `MIN_ROWS`), and the shapes say so."""
         ar, config = self.engine.all_reduce, self.engine.config
         itemsize = jnp.dtype(self.engine.dtype).itemsize
         is_gated = getattr(ar, "is_gated", None)
         phases = {}
         shapes = (
-            ("prefill", _pow2_at_least(batch), self.engine.bucket_for(prompt_len)),
-            ("decode", batch, 1),
+            ("prefill", _prefill_rows(batch), self.engine.bucket_for(prompt_len)),
+            ("decode", max(batch, MIN_ROWS), 1),
         )
         for phase, rows, length in shapes:
             elements = rows * length * config.embed_dim
@@ -517,11 +525,12 @@ class Generator:
         waiting = collections.deque(
             _Request(i, q, p) for i, (q, p) in enumerate(zip(prompts, params, strict=True))
         )
-        active: list[_Request | None] = [None] * slots
+        rows = max(slots, MIN_ROWS)  # rows from `slots` on stay idle
+        active: list[_Request | None] = [None] * rows
         results: dict[int, Completion] = {}
-        cache = self._empty_cache(slots, capacity)
-        last_tokens = np.zeros(slots, np.int32)
-        lengths = np.zeros(slots, np.int32)
+        cache = self._empty_cache(rows, capacity)
+        last_tokens = np.zeros(rows, np.int32)
+        lengths = np.zeros(rows, np.int32)
 
         def finish(slot: int, req: _Request, reason: str, text: str | None = None) -> None:
             now = time.perf_counter()
@@ -575,7 +584,7 @@ class Generator:
             last_tokens[slot] = token
 
         while waiting or any(r is not None for r in active):
-            free = [s for s, r in enumerate(active) if r is None]
+            free = [s for s in range(slots) if active[s] is None]
             if waiting and free:
                 admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                 cache, first = self._admit(cache, admitted, free, mode, max_k)
@@ -585,7 +594,7 @@ class Generator:
                     accept(slot, req, int(token))
                 continue  # admit more if some finished at once
             running = [(s, r) for s, r in enumerate(active) if r is not None]
-            for s in range(slots):
+            for s in range(rows):
                 if active[s] is None:  # idle rows: position 0, output unused
                     last_tokens[s], lengths[s] = 0, 0
             out = self.engine.model.decode(
@@ -618,10 +627,10 @@ class Generator:
         mode: str,
         max_k: int,
     ) -> tuple[dict[str, dict[str, jax.Array]], np.ndarray]:
-        """Prefills the admitted requests (one batch, padded to a power of two), copies their
+        """Prefills the admitted requests (one batch, padded by `_prefill_rows`), copies their
         KV caches into their slots and samples their first tokens."""
         started = time.perf_counter()
-        batch = _pow2_at_least(len(admitted))
+        batch = _prefill_rows(len(admitted))
         prompts = [r.prompt for r in admitted]
         prompts += [prompts[0]] * (batch - len(admitted))
         result = self.engine.prefill(prompts)

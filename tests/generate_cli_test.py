@@ -44,7 +44,7 @@ def test_streams_one_prompt_and_reports_the_gate():
     done = _run(*TINY, "--prompt", "Hello", "--chat", "--no-warmup")
     assert done.returncode == 0, done.stderr
     assert "time to first token" in done.stdout and "tokens/s" in done.stdout
-    assert "decode [1x1x64] 128 B -> psum (size gate)" in done.stdout
+    assert "decode [2x1x64] 256 B -> psum (size gate)" in done.stdout
 
 
 @pytest.mark.parametrize(
