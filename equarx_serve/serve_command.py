@@ -2,7 +2,8 @@
 
     equarx-serve serve [--host 127.0.0.1] [--port 8000] [--model gemma3-270m] [--tp 2]
                        [--all-reduce equarx-int8] [--max-batch 8] [--max-queue 64]
-                       [--max-prompt-tokens N] [--checkpoint PATH --tokenizer PATH]
+                       [--max-prompt-tokens N] [--dtype bfloat16|float32]
+                       [--checkpoint PATH --tokenizer PATH]
 
 It loads the model, shards it over TP host devices (XLA_FLAGS
 --xla_force_host_platform_device_count=TP, set before JAX is imported), compiles a first program
@@ -21,6 +22,7 @@ import signal
 from pathlib import Path
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from equarx_serve.generate_command import DTYPES
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_ALL_REDUCE = "equarx-int8"
@@ -70,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT_S,
                         metavar="S", help="on SIGTERM, how long running requests may take to "
                         "finish before they are cancelled (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                        help="parameter dtype (default: %(default)s; XLA:CPU runs bf16 matmuls "
+                        "several times slower than f32)")  # fmt: skip
     parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     parser.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
     parser.add_argument("--log-level", default="info",
@@ -96,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing at import
     set_device_count(args.tp)
+    import jax.numpy as jnp
     import uvicorn
 
     from equarx_serve.bench.allreduce import resolve_methods
@@ -109,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
         engine = PrefillEngine.from_name(
             args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
             checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=args.max_length,
+            dtype=jnp.dtype(args.dtype),
         )  # fmt: skip
     except ValueError as e:
         raise UsageError(str(e)) from None
