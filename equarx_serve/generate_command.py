@@ -73,8 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     model.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
     model.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                       help="parameter dtype (default: %(default)s; XLA:CPU runs bf16 matmuls "
-                       "several times slower than f32)")  # fmt: skip
+                       help="parameter dtype (default: %(default)s)")  # fmt: skip
     model.add_argument("--max-length", type=argument_type(int_at_least(16)),
                        default=DEFAULT_MAX_LENGTH, metavar="N",
                        help="longest prompt + completion (default: %(default)s)")  # fmt: skip
