@@ -53,10 +53,10 @@ def _generator(all_reduce="psum-f32", max_batch=8):
     return Generator(_engine(all_reduce), max_batch=max_batch)
 
 
-def _reference_greedy(prompts, steps):
+def _reference_greedy(prompts, steps, engine=None):
     """Greedy tokens and their logits from the full prefill of prompt + generated tokens at
     every step (no KV cache)."""
-    engine = _engine()
+    engine = engine or _engine()
     seqs = [list(p) for p in prompts]
     tokens, logits = [[] for _ in prompts], [[] for _ in prompts]
     for _ in range(steps):
@@ -74,13 +74,20 @@ def test_tiny_config_has_local_layers_shorter_than_prompts():
     assert max(PROMPT_LENGTHS) > WINDOW
 
 
-def test_decode_step_matches_full_prefill():
+@pytest.mark.parametrize("name", ["tiny", "tiny-mqa"])
+def test_decode_step_matches_full_prefill(name):
     """The model's decode step on a grown cache gives the full prefill's logits, step by step,
-    for a batch of different lengths (crossing the window and a bucket boundary)."""
-    engine = _engine()
+    for a batch of different lengths (crossing the window and a bucket boundary); "tiny-mqa"
+    has one KV head, replicated over TP = 2 (as in Gemma 3 270M)."""
+    if name == "tiny":
+        engine, steps = _engine(), 12  # 21 + 12 crosses the 32 bucket
+    else:
+        mqa = get_config(name)
+        params = init_params(mqa, jax.random.PRNGKey(1))
+        engine = PrefillEngine(mqa, params, tp=2, all_reduce="psum-f32", max_length=MAX_LENGTH)
+        steps = 4
     prompts = _prompts(PROMPT_LENGTHS)
-    steps = 12  # 21 + 12 crosses the 32 bucket
-    ref_tokens, ref_logits = _reference_greedy(prompts, steps)
+    ref_tokens, ref_logits = _reference_greedy(prompts, steps, engine)
     capacity = engine.bucket_for(max(PROMPT_LENGTHS) + steps)
     result = engine.prefill(prompts)
     pad = capacity - result.bucket
