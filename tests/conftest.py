@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
+from equarx_serve.devices import set_host_device_count
 
 # Must happen before jax is imported anywhere: 8 host devices for meshes of 2, 4 and 8.
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
-if _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_DEVICE_COUNT_FLAG}".strip()
+set_host_device_count(8)
 
 import functools  # noqa: E402
 
