@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 from pathlib import Path
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from equarx_serve.devices import set_host_device_count
 from equarx_serve.generate_command import DTYPES
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -32,7 +32,6 @@ DEFAULT_MAX_QUEUE = 64
 # compile and run slowly, so the server's default is shorter (raise it with --max-length).
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_GRACEFUL_TIMEOUT_S = 120.0
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 logger = logging.getLogger("equarx_serve.server")
 
@@ -81,14 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=["debug", "info", "warning", "error"])  # fmt: skip
 
 
-def set_device_count(n: int) -> None:
-    """N host devices: XLA_FLAGS, which JAX reads when it is first imported."""
-    flags = [
-        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={n}"])
-
-
 def run(args: argparse.Namespace) -> int:
     """Load, compile, serve until SIGTERM/SIGINT; 0 after a clean shutdown."""
     if (args.checkpoint is None) != (args.tokenizer is None):
@@ -100,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing at import
-    set_device_count(args.tp)
+    set_host_device_count(args.tp)  # XLA_FLAGS, before JAX is imported
     import jax.numpy as jnp
     import uvicorn
 
