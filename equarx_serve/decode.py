@@ -12,8 +12,8 @@ How `Generator.generate` runs a list of requests on SLOTS = min(len(prompts), ma
      the longest prompt + max_tokens, so the decode program is compiled once per
      (SLOTS, CAPACITY) and reused by every step.
   2. Waiting requests are admitted into free slots: their prompts are prefilled as one batch
-     (padded with copies of the first prompt to a power of two, and to at least MIN_ROWS = 2
-     rows: few programs, and no slow 1-row matmuls on CPU), each prompt's
+     (padded with copies of the first prompt to a power of two, and short prompts to at least
+     MIN_ROWS = 2 rows: few programs, and no slow 1-row matmuls on CPU), each prompt's
      KV cache [bucket] is copied into its slot of the [SLOTS, CAPACITY, K, H] cache, and its
      first token is sampled from the prefill's last-token logits.
   3. One decode step (`TensorParallelGemma3.decode`) runs every slot: each sequence's last
@@ -71,10 +71,14 @@ FINISH_REASONS = ("stop", "length", "cancelled")
 # Temperatures below this are clamped (0 itself means greedy and never divides).
 MIN_TEMPERATURE = 1e-5
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
-# Prefill and decode batches have at least 2 rows (an idle one if need be): XLA:CPU runs a
-# 1-row bf16 matmul (GEMV) ~7x slower than a 2-row one; measured on this project's machine,
-# [B, 640] x [262144, 640] bf16 (Gemma 3 270M's logits): B = 1 0.28 s, B = 2 0.040 s.
+# Decode batches have at least 2 rows (an idle one if need be), and so do prefill batches of
+# short prompts: XLA:CPU runs a 1-row bf16 matmul (GEMV) ~7x slower than a 2-row one. Measured
+# on this project's machine, [B, 640] x [262144, 640] bf16 (Gemma 3 270M's logits): B = 1
+# 0.28 s, B = 2 0.040 s. Prefill of one 270M prompt, TP = 2, as 1 row vs 2 rows (a copy):
+# bucket 128 0.79 vs 0.40 s, 512 1.16 vs 1.70 s, 1024 3.18 vs 3.51 s; so prompts in buckets
+# above MIN_ROWS_MAX_BUCKET are prefilled as 1 row.
 MIN_ROWS = 2
+MIN_ROWS_MAX_BUCKET = 128
 
 OnToken = Callable[[int, int, str], bool | None]
 OnFinish = Callable[[int, "Completion"], None]
@@ -371,9 +375,11 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return held
 
 
-def _prefill_rows(n: int) -> int:
-    """The rows of a prefill batch of n prompts: a power of two (few programs), >= MIN_ROWS."""
-    return max(1 << (n - 1).bit_length(), MIN_ROWS)
+def _prefill_rows(n: int, bucket: int) -> int:
+    """The rows of a prefill batch of n prompts padded to `bucket`: a power of two (few
+    programs), and >= MIN_ROWS for short buckets (see MIN_ROWS)."""
+    rows = 1 << (n - 1).bit_length()
+    return max(rows, MIN_ROWS) if bucket <= MIN_ROWS_MAX_BUCKET else rows
 
 
 # The all-reduce usage already logged, per engine.
@@ -441,14 +447,15 @@ class Generator:
         "prefill" / "decode": {"shape", "message_bytes", "uses"}}. A row-parallel message is
         [B, L, D] in the parameter dtype (L: the prompt's length bucket at prefill, 1 at
         decode); "uses" is the method's name, or "psum (size gate)" when it is below
-        `min_size_bytes`. Batches are padded (prefill: to a power of two; both: to at least
-        `MIN_ROWS`), and the shapes say so."""
+        `min_size_bytes`. Batches are padded as `generate` pads them (a power of two at
+        prefill; at least `MIN_ROWS`, see there), and the shapes say so."""
         ar, config = self.engine.all_reduce, self.engine.config
         itemsize = jnp.dtype(self.engine.dtype).itemsize
         is_gated = getattr(ar, "is_gated", None)
         phases = {}
+        bucket = self.engine.bucket_for(prompt_len)
         shapes = (
-            ("prefill", _prefill_rows(batch), self.engine.bucket_for(prompt_len)),
+            ("prefill", _prefill_rows(batch, bucket), bucket),
             ("decode", max(batch, MIN_ROWS), 1),
         )
         for phase, rows, length in shapes:
@@ -630,7 +637,8 @@ class Generator:
         """Prefills the admitted requests (one batch, padded by `_prefill_rows`), copies their
         KV caches into their slots and samples their first tokens."""
         started = time.perf_counter()
-        batch = _prefill_rows(len(admitted))
+        bucket = self.engine.bucket_for(max(len(r.prompt) for r in admitted))
+        batch = _prefill_rows(len(admitted), bucket)
         prompts = [r.prompt for r in admitted]
         prompts += [prompts[0]] * (batch - len(admitted))
         result = self.engine.prefill(prompts)
