@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import platform
 import time
@@ -98,9 +99,10 @@ class _MethodScores:
         self.tokens: dict[str, list[np.ndarray]] = {}
         self.site_sums: np.ndarray | None = None
 
-    def add(self, token_metrics: dict[str, Any], site_sums: Any) -> None:
+    def add(self, token_metrics: dict[str, Any], num_scored: int, site_sums: Any) -> None:
         for key, value in token_metrics.items():
-            self.tokens.setdefault(key, []).append(np.asarray(value).reshape(-1))
+            scored = np.asarray(value)[:, :num_scored]
+            self.tokens.setdefault(key, []).append(scored.reshape(-1))
         sums = np.asarray(site_sums, np.float64)
         self.site_sums = sums if self.site_sums is None else self.site_sums + sums
 
@@ -119,12 +121,15 @@ def run_eval(
     ValueError for bad settings (unknown method, model that cannot split TP ways, text too
     short...)."""
     import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from equarx_serve.collectives import get_all_reduce
     from equarx_serve.decode import Generator, SamplingParams, byte_tokenizer
     from equarx_serve.engine import PrefillEngine
     from eval import corpus as corpus_lib
     from eval import metrics
+    from models.gemma3 import AXIS
 
     started = time.perf_counter()
     specs = config.all_methods()
@@ -157,11 +162,15 @@ def run_eval(
     site_names: list[str] = []
     for start in range(0, len(windows), config.batch_size):
         batch = windows[start : start + config.batch_size]
-        targets = jax.device_put(batch[:, 1:], jax.devices()[0])
         results = {}
         for label in (REFERENCE, FLOOR):
             results[label] = engines[label].prefill(batch.tolist(), last_only=False, capture=True)
-        reference_logits = metrics.local_copy(results[REFERENCE].logits)
+        bucket = results[REFERENCE].bucket
+        targets = np.zeros((len(batch), bucket), np.int32)  # beyond num_scored: not scored
+        targets[:, :num_scored] = batch[:, 1:]
+        split = functools.partial(metrics.split_positions, mesh=base.mesh, axis_name=AXIS)
+        targets = split(jax.device_put(targets, NamedSharding(base.mesh, P())))
+        reference_logits = split(results[REFERENCE].logits)
         f32_trace = jax.tree.map(metrics.local_copy, results[FLOOR].trace)
         site_names = [name for name, _ in metrics.sites(f32_trace)]
         for label, engine in engines.items():
@@ -170,12 +179,8 @@ def run_eval(
             )
             trace = jax.tree.map(metrics.local_copy, result.trace)
             scores[label].add(
-                metrics.token_metrics(
-                    reference_logits,
-                    metrics.local_copy(result.logits),
-                    targets,
-                    num_scored=num_scored,
-                ),
+                metrics.token_metrics(reference_logits, split(result.logits), targets),
+                num_scored,
                 metrics.site_errors(trace, f32_trace, num_tokens=config.seq_len),
             )
             del result, trace

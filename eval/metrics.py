@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 TOP_K = 5
 KL_PERCENTILE = 99.0
@@ -37,39 +39,69 @@ Trace = dict[str, Any]  # models.gemma3 all-reduce trace: {"layer_i": {"attn"|"m
 
 
 def local_copy(x: jax.Array) -> jax.Array:
-    """One device's copy of a replicated array, so scoring runs once, not once per replica."""
+    """One device's copy of a replicated array, so work on it runs once, not once per replica."""
     return x.addressable_shards[0].data
 
 
-@functools.partial(jax.jit, static_argnames="num_scored")
+def split_positions(x: jax.Array, mesh: Mesh, axis_name: str) -> jax.Array:
+    """A replicated [B, L, ...] array re-laid out as L / N positions per device of the mesh
+    axis (each device already holds them: nothing moves), so scoring runs once, in parallel;
+    one device's copy when N does not divide L. Measured on XLA:CPU with 2 host devices: 28 s
+    to score [2, 511, 262144] logits on one device, 5.7 s split over both."""
+    if x.shape[1] % mesh.shape[axis_name]:
+        return local_copy(x)
+    return jax.device_put(x, NamedSharding(mesh, P(None, axis_name)))
+
+
 def token_metrics(
-    reference_logits: jax.Array, logits: jax.Array, targets: jax.Array, *, num_scored: int
+    reference_logits: jax.Array, logits: jax.Array, targets: jax.Array
 ) -> dict[str, jax.Array]:
-    """reference_logits, logits [B, L, V] (L >= num_scored), targets [B, num_scored] -> per
-    scored position [B, num_scored]: nll, kl, top1, top5, max_abs, mean_abs, cosine and
-    nonfinite (the count of non-finite logits)."""
-    p_logits = reference_logits[:, :num_scored].astype(jnp.float32)  # [B, T, V]
-    q_logits = logits[:, :num_scored].astype(jnp.float32)  # [B, T, V]
-    log_p = jax.nn.log_softmax(p_logits, axis=-1)
-    log_q = jax.nn.log_softmax(q_logits, axis=-1)
-    nll = -jnp.take_along_axis(log_q, targets[..., None], axis=-1)[..., 0]  # [B, T]
-    kl = jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)  # [B, T]
+    """reference_logits, logits [B, L, V], targets [B, L] (the token after each position) ->
+    per position [B, L]: nll, kl, top1, top5, max_abs, mean_abs, cosine and nonfinite (the
+    count of non-finite logits). The caller drops the positions it does not score.
 
-    top_p = jax.lax.top_k(p_logits, TOP_K)[1]  # [B, T, K]
-    top_q = jax.lax.top_k(q_logits, TOP_K)[1]  # [B, T, K]
-    shared = jnp.any(top_p[..., :, None] == top_q[..., None, :], axis=-1)  # [B, T, K]
-
-    diff = jnp.abs(q_logits - p_logits)  # [B, T, V]
-    norms = jnp.linalg.norm(p_logits, axis=-1) * jnp.linalg.norm(q_logits, axis=-1)
+    Three programs, not one: fused into one, XLA:CPU recomputes the [B, L, V] log-softmaxes
+    inside every consumer (measured: 50 s instead of 7 s for [2, 511, 262144])."""
     return {
-        "nll": nll,
-        "kl": kl,
+        **_distribution_metrics(reference_logits, logits, targets),
+        **_top_k_metrics(reference_logits, logits),
+        **_logit_errors(reference_logits, logits),
+    }
+
+
+@jax.jit
+def _distribution_metrics(
+    p_logits: jax.Array, q_logits: jax.Array, targets: jax.Array
+) -> dict[str, jax.Array]:
+    log_p = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    log_q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    return {
+        "nll": -jnp.take_along_axis(log_q, targets[..., None], axis=-1)[..., 0],  # [B, T]
+        "kl": jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1),  # [B, T]
+    }
+
+
+@jax.jit
+def _top_k_metrics(p_logits: jax.Array, q_logits: jax.Array) -> dict[str, jax.Array]:
+    top_p = jax.lax.top_k(p_logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
+    top_q = jax.lax.top_k(q_logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
+    shared = jnp.any(top_p[..., :, None] == top_q[..., None, :], axis=-1)  # [B, T, K]
+    return {
         "top1": (top_p[..., 0] == top_q[..., 0]).astype(jnp.float32),
         "top5": jnp.mean(shared, axis=-1, dtype=jnp.float32),
+    }
+
+
+@jax.jit
+def _logit_errors(p_logits: jax.Array, q_logits: jax.Array) -> dict[str, jax.Array]:
+    p, q = p_logits.astype(jnp.float32), q_logits.astype(jnp.float32)  # [B, T, V]
+    diff = jnp.abs(q - p)
+    norms = jnp.linalg.norm(p, axis=-1) * jnp.linalg.norm(q, axis=-1)  # [B, T]
+    return {
         "max_abs": jnp.max(diff, axis=-1),
         "mean_abs": jnp.mean(diff, axis=-1),
-        "cosine": jnp.sum(p_logits * q_logits, axis=-1) / norms,
-        "nonfinite": jnp.sum(~jnp.isfinite(q_logits), axis=-1, dtype=jnp.int32),
+        "cosine": jnp.sum(p * q, axis=-1) / norms,
+        "nonfinite": jnp.sum(~jnp.isfinite(q), axis=-1, dtype=jnp.int32),
     }
 
 
