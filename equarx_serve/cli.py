@@ -24,13 +24,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from equarx_serve import generate_command, serve_command
+from equarx_serve import demo, generate_command, serve_command
 from equarx_serve.bench import allreduce, prefill
 from eval import command as eval_command
-
-DEMO_DIR = Path("bench-results")
-# The demo compares EQuARX's schedules and rotation against every registered all-reduce.
-DEMO_EXTRA_METHODS = ("equarx-int8:schedule=ring", "equarx-int8:rotation=hadamard")
 
 
 def _bench_allreduce(args: argparse.Namespace) -> int:
@@ -42,19 +38,7 @@ def _bench_prefill(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    """The main job, end to end. For now: the all-reduce benchmark across 2 processes,
-    written to DIR/allreduce.json and DIR/allreduce.png."""
-    from equarx_serve.collectives import list_all_reduces
-
-    methods = [*list_all_reduces(), *DEMO_EXTRA_METHODS]
-    config = allreduce.BenchConfig(
-        meshes=(("processes", 2),),
-        sizes=tuple(allreduce.parse_size(s) for s in allreduce.DEFAULT_SIZES),
-        methods=tuple(allreduce.parse_method(m) for m in methods),
-        json_path=args.out_dir / "allreduce.json",
-        plot_path=args.out_dir / "allreduce.png",
-    )
-    return allreduce.run(config)
+    return demo.run(args.out_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,11 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_arguments(bench_prefill)
     bench_prefill.set_defaults(handler=_bench_prefill, command_parser=bench_prefill)
 
-    demo = commands.add_parser(
-        "demo", help="the main job end to end (now: the all-reduce benchmark)"
+    demo_parser = commands.add_parser(
+        "demo",
+        help="the main job: 270M at TP=2 served with psum and equarx-int8 side by side, a "
+        "short quality eval, the all-reduce benchmark",
+        description=demo.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--out-dir", type=Path, default=DEMO_DIR, help="default: %(default)s")
-    demo.set_defaults(handler=_demo, command_parser=demo)
+    demo_parser.add_argument(
+        "--out-dir", type=Path, default=demo.DEMO_DIR, help="default: %(default)s"
+    )
+    demo_parser.set_defaults(handler=_demo, command_parser=demo_parser)
 
     evaluate = commands.add_parser(
         "eval",

@@ -493,6 +493,21 @@ class Generator:
 
     # -- generation --------------------------------------------------------------------------
 
+    def warm_up(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> float:
+        """Compiles the programs a `generate` of these prompts uses, by running it with every
+        request cancelled at its second token; returns the seconds it took."""
+        seen: collections.Counter[int] = collections.Counter()
+
+        def two_tokens(i: int, token: int, delta: str) -> bool:
+            seen[i] += 1
+            return seen[i] < 2
+
+        started = time.perf_counter()
+        self.generate(prompts, params, on_token=two_tokens)
+        return time.perf_counter() - started
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

@@ -24,22 +24,20 @@ This module imports JAX only when the command runs, so `--help` is fast.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from equarx_serve.devices import set_host_device_count
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_MAX_LENGTH = 4096  # prompt + completion tokens; the engine's last length bucket
 DTYPES = ("bfloat16", "float32")
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def _float(text: str) -> float:
@@ -125,14 +123,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _use_host_devices(n: int) -> None:
-    """N host CPU devices (read by JAX when it is first imported)."""
-    flags = [
-        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_COUNT_FLAG)
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"{DEVICE_COUNT_FLAG}={n}"])
-
-
 def _usage_line(usage: dict[str, Any]) -> str:
     gate = usage["min_size_bytes"]
     parts = [f"all-reduce {usage['all_reduce']}" + ("" if gate is None else f" (gate {gate} B)")]
@@ -149,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
     if (args.checkpoint is None) != (args.tokenizer is None):
         raise UsageError("--checkpoint and --tokenizer go together")
     if "jax" not in sys.modules:
-        _use_host_devices(args.tp)
+        set_host_device_count(args.tp)
 
     import jax
     import jax.numpy as jnp
@@ -192,17 +182,7 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise UsageError(f"prompt {i}: {e}") from None
 
-    warmup_s = 0.0
-    if not args.no_warmup:  # the same shapes, each request cancelled at its second token
-        seen: collections.Counter[int] = collections.Counter()
-
-        def two_tokens(i: int, token: int, delta: str) -> bool:
-            seen[i] += 1
-            return seen[i] < 2
-
-        started = time.perf_counter()
-        generator.generate(token_lists, params, on_token=two_tokens)
-        warmup_s = time.perf_counter() - started
+    warmup_s = 0.0 if args.no_warmup else generator.warm_up(token_lists, params)
 
     stream = len(prompts) == 1 and not args.json
 
