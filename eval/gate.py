@@ -43,7 +43,7 @@ CHECKABLE = (
     "nonfinite_logits",
     "nonfinite_all_reduce",
     "nonfinite",
-    "max_born_error",
+    "born_error_max",
     "final_layer_error",
     "greedy_matched_mean",
     "greedy_matched_fraction",

@@ -196,7 +196,7 @@ def run_eval(
         summary = metrics.summarize(score.per_token(), reference_ppl)
         summary["nonfinite_all_reduce"] = sum(site["nonfinite"] for site in per_site)
         summary["nonfinite"] = summary["nonfinite_logits"] + summary["nonfinite_all_reduce"]
-        summary["max_born_error"] = max(site["born_error"] for site in per_site)
+        summary["born_error_max"] = max(site["born_error"] for site in per_site)
         summary["final_layer_error"] = per_site[-1]["error"]
         reports[label] = {**summary, "per_layer": per_site}
 

@@ -21,7 +21,7 @@ COLUMNS = (
     ("logit mean|Δ|", "logit_mean_abs_error", "{:.4f}"),
     ("cosine", "logit_cosine_mean", "{:.6f}"),
     ("AR err last", "final_layer_error", "{:.2%}"),
-    ("AR born max", "max_born_error", "{:.2%}"),
+    ("AR born max", "born_error_max", "{:.2%}"),
     ("greedy", "greedy_matched_mean", "{:.1f}"),
     ("non-finite", "nonfinite", "{}"),
 )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -209,10 +210,10 @@ def test_reference_against_itself_is_exact_and_lossless_methods_sit_at_the_floor
 def test_quantized_methods_show_their_error_and_naive_int8_is_worse():
     methods = _tiny_report()["methods"]
     equarx, naive = methods["equarx-int8"], methods["naive-int8"]
-    assert 1e-3 < equarx["max_born_error"] < 0.03
+    assert 1e-3 < equarx["born_error_max"] < 0.03
     assert equarx["final_layer_error"] > methods["psum-f32"]["final_layer_error"]
     assert naive["final_layer_error"] > equarx["final_layer_error"]
-    assert naive["max_born_error"] > equarx["max_born_error"]
+    assert naive["born_error_max"] > equarx["born_error_max"]
     # The size gate left on: these messages are far below 1 MiB, so equarx is plain psum.
     assert methods["equarx-int8:min_size_bytes=1048576"]["kl_mean"] == 0
 
@@ -259,3 +260,9 @@ def test_cli_rejects_bad_input_with_a_usage_error(flags, message, capsys):
         cli.main(["eval", *TINY_FLAGS, *flags])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["thresholds.toml", "thresholds-quick.toml"])
+def test_the_repos_thresholds_files_are_valid(name):
+    limits = gate.load_thresholds(Path(__file__).parent.parent / "eval" / name)
+    assert {"equarx-int8", "psum-f32", "naive-int8"} <= set(gate.methods_named(limits))

@@ -379,7 +379,8 @@ def test_released_configs_trace(name, tp):
         is_leaf=lambda x: isinstance(x, tuple),
     )
     tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
-    out = jax.eval_shape(model._forward[True, False], params, tokens, tokens.update(dtype=jnp.bool_))
+    mask = tokens.update(dtype=jnp.bool_)
+    out = jax.eval_shape(model._forward[True, False], params, tokens, mask)
     assert out.logits.shape == (2, config.vocab_size) and out.logits.dtype == jnp.bfloat16
     k = out.cache[f"layer_{config.num_layers - 1}"]["k"]
     assert k.shape == (2, 32, config.num_kv_heads, config.head_dim)
