@@ -1,7 +1,7 @@
 """`equarx-serve eval`: quality of every all-reduce against BF16 `psum`, and a regression gate.
 
     equarx-serve eval [--model gemma3-270m] [--tp 2] [--methods ...] [--text PATH]
-                      [--seq-len 512] [--num-seqs 16] [--batch-size 2]
+                      [--seq-len 512] [--num-seqs 16] [--batch-size B]
                       [--greedy-prompts 8] [--greedy-tokens 32]
                       [--json PATH] [--report PATH] [--plot PATH] [--check THRESHOLDS]
 
@@ -78,9 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--batch-size",
         type=argument_type(int_at_least(1)),
-        default=harness.DEFAULT_BATCH_SIZE,
         metavar="B",
-        help="windows per forward pass (default: %(default)s)",
+        help="windows per forward pass (default: 2 at TP <= 2, else 1: the logits are "
+        "replicated on every device)",
     )
     data.add_argument(
         "--greedy-prompts",

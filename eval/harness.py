@@ -38,7 +38,16 @@ DEFAULT_METHODS = ("psum", "psum-f32", "ring", "naive-int8", "equarx-int8")
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_SEQ_LEN = 512
 DEFAULT_NUM_SEQS = 16
-DEFAULT_BATCH_SIZE = 2
+
+
+# Windows per forward pass. The logits come back replicated on every device ([B, L, V], V =
+# 262144 for Gemma 3: 256 MiB per 512-token window in bf16, on each device), so the default
+# shrinks as TP grows: at TP = 4 a batch of 2 went past 21 GiB and was killed on a 24 GiB
+# machine.
+def default_batch_size(tp: int) -> int:
+    return 2 if tp <= 2 else 1
+
+
 DEFAULT_GREEDY_PROMPTS = 8
 DEFAULT_GREEDY_PROMPT_LEN = 64
 DEFAULT_GREEDY_TOKENS = 32
@@ -55,7 +64,7 @@ class EvalConfig:
     text: Path | None = None  # None: the default corpus
     seq_len: int = DEFAULT_SEQ_LEN
     num_seqs: int = DEFAULT_NUM_SEQS
-    batch_size: int = DEFAULT_BATCH_SIZE
+    batch_size: int | None = None  # None: default_batch_size(tp)
     greedy_prompts: int = DEFAULT_GREEDY_PROMPTS
     greedy_prompt_len: int = DEFAULT_GREEDY_PROMPT_LEN
     greedy_tokens: int = DEFAULT_GREEDY_TOKENS
@@ -160,23 +169,24 @@ def run_eval(
     num_scored = config.seq_len - 1
     scores = {label: _MethodScores() for label in engines}
     site_names: list[str] = []
-    for start in range(0, len(windows), config.batch_size):
-        batch = windows[start : start + config.batch_size]
-        results = {}
-        for label in (REFERENCE, FLOOR):
-            results[label] = engines[label].prefill(batch.tolist(), last_only=False, capture=True)
-        bucket = results[REFERENCE].bucket
+    batch_size = config.batch_size or default_batch_size(config.tp)
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size]
+        # Peak memory: the reference's logits, laid out over the devices (once), the floor's
+        # trace, and one method's replicated logits at a time.
+        tokens = batch.tolist()
+        first = {label: engines[label].prefill(tokens, last_only=False, capture=True)
+                 for label in (REFERENCE, FLOOR)}  # fmt: skip
+        bucket = first[REFERENCE].bucket
         targets = np.zeros((len(batch), bucket), np.int32)  # beyond num_scored: not scored
         targets[:, :num_scored] = batch[:, 1:]
         split = functools.partial(metrics.split_positions, mesh=base.mesh, axis_name=AXIS)
         targets = split(jax.device_put(targets, NamedSharding(base.mesh, P())))
-        reference_logits = split(results[REFERENCE].logits)
-        f32_trace = jax.tree.map(metrics.local_copy, results[FLOOR].trace)
+        reference_logits = split(first[REFERENCE].logits)
+        f32_trace = jax.tree.map(metrics.local_copy, first[FLOOR].trace)
         site_names = [name for name, _ in metrics.sites(f32_trace)]
         for label, engine in engines.items():
-            result = results.get(label) or engine.prefill(
-                batch.tolist(), last_only=False, capture=True
-            )
+            result = first.pop(label, None) or engine.prefill(tokens, last_only=False, capture=True)
             trace = jax.tree.map(metrics.local_copy, result.trace)
             scores[label].add(
                 metrics.token_metrics(reference_logits, split(result.logits), targets),
@@ -184,7 +194,7 @@ def run_eval(
                 metrics.site_errors(trace, f32_trace, num_tokens=config.seq_len),
             )
             del result, trace
-        del results, reference_logits, f32_trace
+        del reference_logits, f32_trace
         if progress:
             progress(len(batch))
 
@@ -229,7 +239,7 @@ def run_eval(
         "corpus": {**corpus.describe(), "tokens": len(stream)},
         "seq_len": config.seq_len,
         "num_seqs": len(windows),
-        "batch_size": config.batch_size,
+        "batch_size": batch_size,
         "scored_tokens": len(windows) * num_scored,
         "greedy": {
             "prompts": config.greedy_prompts,
