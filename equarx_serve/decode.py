@@ -27,6 +27,10 @@ How `Generator.generate` runs a list of requests on SLOTS = min(len(prompts), ma
      is cut before it, and it is never streamed: text that could still become a stop string
      is held back), at max_tokens ("length"), or when `on_token` returns False ("cancelled");
      its slot goes to the next waiting request.
+  6. With `more`, requests can join a running call: whenever slots are free, `more(n)` is
+     asked for up to n new requests, which wait and are admitted as in 2. SLOTS is then
+     max_batch from the start, and the cache grows to a larger CAPACITY bucket (one more
+     decode program) when a joining request needs it.
 
 The all-reduce each phase uses: prefill reduces [B, bucket, D] messages, decode [B, 1, D]
 ones; `equarx-int8` sends messages below its `min_size_bytes` to `psum`, which is where every
@@ -67,7 +71,7 @@ __all__ = [
 
 logger = logging.getLogger("equarx_serve.decode")
 
-FINISH_REASONS = ("stop", "length", "cancelled")
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
 # Temperatures below this are clamped (0 itself means greedy and never divides).
 MIN_TEMPERATURE = 1e-5
 _REPLACEMENT = "\ufffd"  # what an incomplete UTF-8 byte sequence decodes to
@@ -82,6 +86,7 @@ MIN_ROWS_MAX_BUCKET = 128
 
 OnToken = Callable[[int, int, str], bool | None]
 OnFinish = Callable[[int, "Completion"], None]
+More = Callable[[int], Sequence[tuple[Sequence[int], "SamplingParams"]]]
 
 
 # -- Requests and results -----------------------------------------------------------------------
@@ -149,13 +154,15 @@ class Completion:
       tokens: The generated ids, without EOS / <end_of_turn> and without the tokens of (or
         after the start of) a stop string.
       text: The generated text (cut before a stop string).
-      finish_reason: "stop" (EOS, <end_of_turn> or a stop string), "length" (max_tokens) or
-        "cancelled" (on_token returned False).
+      finish_reason: "stop" (EOS, <end_of_turn> or a stop string), "length" (max_tokens),
+        "cancelled" (on_token returned False) or "error" (a request from `more` that failed
+        `Generator.check`; nothing ran).
       prefill_ms: The prefill of the batch this request was admitted with.
-      time_to_first_token_ms: From the start of `generate` to this request's first token
-        (includes waiting for a slot).
+      time_to_first_token_ms: From the start of `generate` (for a request from `more`: from
+        when it was handed in) to this request's first token (includes waiting for a slot).
       decode_ms: From the first token to the last.
       decode_tokens_per_s: Tokens after the first, per second of decode_ms (0 if none).
+      error: Why the request was refused (finish_reason "error"), else None.
     """
 
     prompt_tokens: list[int]
@@ -166,6 +173,7 @@ class Completion:
     time_to_first_token_ms: float
     decode_ms: float
     decode_tokens_per_s: float
+    error: str | None = None
 
 
 # -- Chat template and a tokenizer for random-init models ---------------------------------------
@@ -355,6 +363,7 @@ class _Request:
     sent: int = 0  # characters of `text` streamed
     prefill_ms: float = 0.0
     first_token_at: float | None = None
+    arrived: float = 0.0  # the start of `generate`, or when `more` handed it in
 
 
 def _stop_index(text: str, stops: Sequence[str], start: int) -> int | None:
@@ -415,6 +424,7 @@ class Generator:
         layers, config, dtype = tuple(self._cache_shardings), engine.config, engine.dtype
         zeros = functools.partial(_zeros_cache, layers=layers, config=config, dtype=dtype)
         self._zeros = jax.jit(zeros, static_argnums=(0, 1), out_shardings=self._cache_shardings)
+        self._grow = jax.jit(_grow_cache, static_argnums=1, out_shardings=self._cache_shardings)
 
     # -- checks and reports ------------------------------------------------------------------
 
@@ -515,6 +525,7 @@ class Generator:
         *,
         on_token: OnToken | None = None,
         on_finish: OnFinish | None = None,
+        more: More | None = None,
     ) -> list[Completion]:
         """Generates a completion for every prompt (lists of token ids, BOS included), in
         batches of up to `max_batch` (see the module doc). `params`: one for all, or one per
@@ -522,7 +533,11 @@ class Generator:
         token (not EOS / <end_of_turn>), with the newly streamable text (possibly "": text
         that may begin a stop string or an incomplete character is held back); returning
         False cancels that request. `on_finish(request_index, completion)` is called as each
-        request finishes. Returns the completions in prompt order. ValueError for bad input,
+        request finishes. `more(n)`, if given, is called whenever slots are free (n: how many)
+        and returns up to n further (prompt, params) requests that join this call (module doc,
+        6.); they get the next request indices, and one that fails `check` finishes at once
+        with finish_reason "error" (the others run on). Returns the completions in prompt
+        order, then those from `more` in the order they came. ValueError for bad input,
         before anything runs."""
         start = time.perf_counter()
         prompts = [list(p) for p in prompts]
@@ -539,17 +554,20 @@ class Generator:
         if not prompts:
             return []
 
-        slots = min(len(prompts), self.max_batch)
+        # With `more`, every slot may be needed later: the decode program has them from the start.
+        slots = self.max_batch if more is not None else min(len(prompts), self.max_batch)
         longest = max(len(q) + p.max_tokens for q, p in zip(prompts, params, strict=True))
         capacity = self.engine.bucket_for(longest)
         self._log_usage(slots, max(len(q) for q in prompts))
         mode, max_k = _sampling_mode(params)
         waiting = collections.deque(
-            _Request(i, q, p) for i, (q, p) in enumerate(zip(prompts, params, strict=True))
+            _Request(i, q, p, arrived=start)
+            for i, (q, p) in enumerate(zip(prompts, params, strict=True))
         )
         rows = max(slots, MIN_ROWS)  # rows from `slots` on stay idle
         active: list[_Request | None] = [None] * rows
         results: dict[int, Completion] = {}
+        count = len(prompts)  # request indices handed out
         cache = self._empty_cache(rows, capacity)
         last_tokens = np.zeros(rows, np.int32)
         lengths = np.zeros(rows, np.int32)
@@ -568,7 +586,7 @@ class Generator:
                 text=req.text,
                 finish_reason=reason,
                 prefill_ms=req.prefill_ms,
-                time_to_first_token_ms=(req.first_token_at - start) * 1e3,
+                time_to_first_token_ms=(req.first_token_at - req.arrived) * 1e3,
                 decode_ms=decode_s * 1e3,
                 decode_tokens_per_s=(req.produced - 1) / decode_s if req.produced > 1 else 0.0,
             )
@@ -576,6 +594,28 @@ class Generator:
             active[slot] = None
             if on_finish is not None:
                 on_finish(req.index, completion)
+
+        def take_more(n: int) -> None:
+            """Queues up to n requests from `more` (checked; a bad one finishes as "error")."""
+            nonlocal count, capacity, cache, mode, max_k
+            for prompt, p in more(n):
+                index, prompt = count, list(prompt)
+                count += 1
+                try:
+                    self.check(prompt, p)
+                except ValueError as e:
+                    completion = Completion(prompt, [], "", "error", 0.0, 0.0, 0.0, 0.0, str(e))
+                    results[index] = completion
+                    if on_finish is not None:
+                        on_finish(index, completion)
+                    continue
+                if len(prompt) + p.max_tokens > capacity:  # positions beyond the cache's end
+                    capacity = self.engine.bucket_for(len(prompt) + p.max_tokens)
+                    cache = self._grow(cache, capacity)
+                waiting.append(_Request(index, prompt, p, arrived=time.perf_counter()))
+                # Serves every row that may be sampled from now on (a finished one's needs may go).
+                live = [r.params for r in (*active, *waiting) if r is not None]
+                mode, max_k = _sampling_mode(live)
 
         def accept(slot: int, req: _Request, token: int) -> None:
             """Handles one sampled token of the request in `slot`."""
@@ -605,8 +645,12 @@ class Generator:
                 return finish(slot, req, "length")
             last_tokens[slot] = token
 
-        while waiting or any(r is not None for r in active):
+        while True:
             free = [s for s in range(slots) if active[s] is None]
+            if more is not None and len(free) > len(waiting):
+                take_more(len(free) - len(waiting))
+            if not waiting and all(r is None for r in active):
+                break
             if waiting and free:
                 admitted = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
                 cache, first = self._admit(cache, admitted, free, mode, max_k)
@@ -630,7 +674,7 @@ class Generator:
             for slot, req in running:
                 lengths[slot] += 1
                 accept(slot, req, int(tokens[slot]))
-        return [results[i] for i in range(len(prompts))]
+        return [results[i] for i in range(count)]
 
     # -- steps ---------------------------------------------------------------------------------
 
@@ -694,6 +738,15 @@ class Generator:
 def _zeros_cache(slots, capacity, *, layers, config, dtype):
     shape = (slots, capacity, config.num_kv_heads, config.head_dim)  # [B, S, K, H]
     return {name: {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for name in layers}
+
+
+def _grow_cache(cache, capacity):
+    """Every layer's k and v [slots, S, K, H] padded with zeros to [slots, capacity, K, H]."""
+
+    def grow(kv):
+        return jnp.pad(kv, ((0, 0), (0, capacity - kv.shape[1]), (0, 0), (0, 0)))
+
+    return jax.tree.map(grow, cache)
 
 
 def _insert_rows(cache, prefill_cache, dst):

@@ -10,10 +10,11 @@ server-sent events in OpenAI's chunk format, ending with `data: [DONE]`), `GET /
 Scheduling: one worker thread owns the devices. Requests wait in a bounded queue (`max_queue`;
 a full queue answers 503 at once); the worker takes up to `max_batch` waiting requests (after
 waiting `batch_window_s` for more to arrive) and runs them in ONE `Generator.generate` call, so
-concurrent users share every device step. This is static batching: a request that arrives
-while a batch runs waits for that batch to finish. Tokens go back to each request's asyncio
-queue through `loop.call_soon_threadsafe`; a client that disconnects makes `on_token` return
-False for its request, which frees its slot. `Scheduler.drain` (SIGTERM/SIGINT through
+concurrent users share every device step. Requests that arrive while it runs join it (its
+`more`): each is prefilled as soon as a slot is free, not when the whole batch ends (at most
+`max_batch` run at once). Tokens go back to each request's asyncio queue through
+`loop.call_soon_threadsafe`; a client that disconnects makes `on_token` return False for its
+request, which frees its slot. `Scheduler.drain` (SIGTERM/SIGINT through
 `serve`) refuses new requests with 503 and lets queued and running ones finish.
 
 Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import queue
@@ -53,6 +55,9 @@ MAX_STOP_SEQUENCES = 4  # as OpenAI
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 USAGE_PROMPT_TOKENS = 128  # the prompt length the info metric's all-reduce usage is shown for
 DISCONNECT_POLL_S = 0.5  # a waiting non-streamed request checks its client this often
+# Requests that may join one generate call; then it ends as its last ones finish and the next
+# starts afresh (under steady load one call would otherwise run, and its lists grow, forever).
+MAX_JOBS_PER_CALL = 4096
 ENDPOINTS = (
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
 )  # fmt: skip
@@ -198,6 +203,7 @@ class Scheduler:
         self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self.draining = False
+        self._stopping = False  # `_more` took the stop mark: exit after the running call
         self.generate_calls = 0
 
     @property
@@ -266,8 +272,38 @@ class Scheduler:
                     if not job.finished:
                         job.finished = True
                         job.post(("error", e))
-            if stop:
+            if stop or self._stopping:
                 return
+
+    def _more(self, jobs: list[Job], n: int) -> list[tuple[list[int], Any]]:
+        """Up to n queued jobs (fewer when `max_batch` of `jobs` still run) to join the running
+        generate call: appended to `jobs`, so their request indices follow."""
+        running = sum(not j.finished for j in jobs)
+        n = min(n, self.max_batch - running, MAX_JOBS_PER_CALL - len(jobs))
+        taken: list[Job] = []
+        while len(taken) < n and not self._stopping:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is _STOP:  # nothing is queued after it (draining refuses new jobs)
+                self._stopping = True
+            elif not job.cancelled:
+                taken.append(job)
+        if not taken:
+            return []
+        now = time.perf_counter()
+        for job in taken:
+            self.metrics.queue_seconds.observe(now - job.arrived)
+        self.metrics.queue_depth.set(self._queue.qsize())
+        # Prefilled together, like a new call's batch: counted as one.
+        self.metrics.observe_batch(len(taken), max(len(j.prompt) for j in taken))
+        logger.info(
+            "%d joined the running batch: %s", len(taken),
+            ", ".join(f"{j.request_id} ({len(j.prompt)} tok)" for j in taken),
+        )  # fmt: skip
+        jobs += taken
+        return [(j.prompt, j.params) for j in taken]
 
     def _generate(self, jobs: list[Job]) -> None:
         start = time.perf_counter()
@@ -285,7 +321,10 @@ class Scheduler:
 
         def on_finish(i: int, completion: Any) -> None:
             jobs[i].finished = True
-            jobs[i].post(("done", completion))  # at once, not when the whole batch is done
+            if completion.finish_reason == "error":  # a joining request the generator refused
+                jobs[i].post(("error", ValueError(completion.error)))
+            else:
+                jobs[i].post(("done", completion))  # at once, not when the whole batch is done
 
         self.generate_calls += 1
         self.metrics.observe_batch(len(jobs), max(len(j.prompt) for j in jobs))
@@ -296,7 +335,7 @@ class Scheduler:
         try:
             completions = self.generator.generate(
                 [j.prompt for j in jobs], [j.params for j in jobs], on_token=on_token,
-                on_finish=on_finish,
+                on_finish=on_finish, more=functools.partial(self._more, jobs),
             )  # fmt: skip
         except Exception as e:
             untouched = [j for j in jobs if j.first_token_at is None]

@@ -322,10 +322,53 @@ def test_concurrent_requests_share_one_generate_call(client, gated):
     for t in threads:
         t.join(30)
     assert [r.status_code for r in results] == [200] * 4
-    assert gated.batches[before:] == [3]  # the three waiting requests: one call
+    assert gated.batches[before - 1 :] == [1]  # the three waiting ones joined the held call
     text = client.get("/metrics").text
     assert metric(text, "equarx_batch_size_bucket", le="3.0") - metric(
         text, "equarx_batch_size_bucket", le="2.0") >= 1  # fmt: skip
+
+
+def test_request_sent_during_a_long_batch_joins_it(gated):
+    """max_batch 2, one long request running: a short one sent meanwhile takes the free slot
+    in the same generate call and finishes first (it used to wait for the whole batch)."""
+    app = create_app(gated, model_name=MODEL, max_batch=2, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app) as client:
+        scheduler = app.state.scheduler
+        gated.token_delay_s = 0.02  # the long request: >= 2 s
+        calls, batches = scheduler.generate_calls, len(gated.batches)
+        done: dict[str, float] = {}
+        results: dict[str, dict] = {}
+
+        def post(name: str, body: dict) -> threading.Thread:
+            def run():
+                r = client.post("/v1/completions", json=body)
+                done[name] = time.monotonic()
+                assert r.status_code == 200, r.text
+                results[name] = r.json()
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        long = post("long", {"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0})
+        _wait_for(lambda: scheduler.generate_calls == calls + 1)
+        time.sleep(0.3)  # well into the long request's decoding
+        sent = time.monotonic()
+        short = post("short", {"prompt": "joining", "max_tokens": 4, "temperature": 0.0})
+        short.join(30)
+        long.join(60)
+        assert done["short"] < done["long"]
+        assert scheduler.generate_calls == calls + 1 and gated.batches[batches:] == [1]
+        assert results["long"]["usage"]["completion_tokens"] == 100
+        assert results["long"]["timings"]["total_ms"] > 2000
+        short_ms = 1e3 * (done["short"] - sent)
+        print(f"short request sent mid-batch: {short_ms:.0f} ms; long one: "
+              f"{results['long']['timings']['total_ms']:.0f} ms; short timings "
+              f"{results['short']['timings']}")  # fmt: skip
+        assert short_ms < 1e3 * (done["long"] - sent)
+        text = client.get("/metrics").text
+        assert metric(text, "equarx_requests_in_flight") == 0
+        assert metric(text, "equarx_queue_depth") == 0
 
 
 def test_full_queue_answers_503_at_once(gated):
