@@ -74,7 +74,7 @@ class ServerMetrics:
             buckets=TOKENS_PER_S_BUCKETS, registry=r,
         )  # fmt: skip
         self.batch_size = Histogram(
-            "equarx_batch_size", "Requests per generate call (one device step serves them all)",
+            "equarx_batch_size", "Requests admitted together (a call, or a group joining one)",
             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r,
         )  # fmt: skip
         self.queue_depth = Gauge(
