@@ -6,8 +6,8 @@ fake CPU devices, in three parts:
 1. Serving: the same prompts generated (greedy) with `psum`, `equarx-int8` (its 1 MiB size
    gate on: short prompts' prefill and every decode step go to psum) and
    `equarx-int8:min_size_bytes=0` (every all-reduce quantized), side by side: the text, the
-   prefill latency, time to first token and decode speed. One prompt is long enough (about
-   1000 tokens) that its prefill messages cross the gate.
+   prefill latency, time to first token and decode speed. One prompt (CPython's reference on
+   class definitions, 773 tokens) is long enough that its prefill messages cross the gate.
 2. Quality: a short run of the eval harness (`eval/`): the reference, the f32 floor,
    naive-int8 and equarx-int8 on the default corpus.
 3. The all-reduce benchmark across 2 local processes (gloo).
