@@ -26,12 +26,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import AllReduce, get_all_reduce
-from models.config import Gemma3Config, get_config
+from models.config import DEFAULT_MAX_LENGTH, Gemma3Config, get_config
 from models.gemma3 import AXIS, TensorParallelGemma3, init_params, mask_from_lengths
 
 MIN_BUCKET = 16
-# Gemma 3's context: 32K tokens for 270M and 1B (128K for the larger sizes).
-DEFAULT_MAX_LENGTH = 32_768
 INIT_SEED = 0  # random-init configs: init_params(config, PRNGKey(INIT_SEED))
 
 Params = dict[str, Any]

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
 from eval import harness
+from models.config import DEFAULT_MAX_LENGTH
 
 OUT_DIR = Path("eval-results")
 
@@ -123,6 +124,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harness.EvalConfig:
     if (args.checkpoint is None) != (args.tokenizer is None):
         raise UsageError("--checkpoint and --tokenizer go together")
+    if args.seq_len > DEFAULT_MAX_LENGTH:
+        raise UsageError(
+            f"--seq-len {args.seq_len} is longer than Gemma 3's context of {DEFAULT_MAX_LENGTH}"
+        )
     if args.text is not None and not args.text.exists():
         raise UsageError(f"--text: no such file or folder: {args.text}")
     labels = [m.label for m in args.methods]

@@ -13,6 +13,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 
+# The longest sequence an engine accepts by default: Gemma 3's context, 32K tokens for 270M
+# and 1B (128K for the larger sizes).
+DEFAULT_MAX_LENGTH = 32_768
+
 
 class AttentionType(enum.StrEnum):
     """What a layer attends to: a sliding window of past tokens, or all of them."""

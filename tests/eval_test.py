@@ -253,6 +253,8 @@ def test_cli_gate_exit_codes_and_reports(tmp_path, capsys):
         (["--methods", "psum", "psum"], "more than once"),
         (["--methods", "no-such-reduce"], "unknown all-reduce"),
         (["--text", "missing-dir"], "no such file or folder"),
+        (["--seq-len", "40000"], "longer than Gemma 3's context"),
+        (["--tp", "3"], "3"),
     ],
 )
 def test_cli_rejects_bad_input_with_a_usage_error(flags, message, capsys):
