@@ -147,6 +147,8 @@ def run_eval(
 
     max_length = max(config.seq_len, config.greedy_prompt_len + config.greedy_tokens)
     log(f"loading {config.model} at TP={config.tp}")
+    if config.tp == 1:
+        log("warning: at TP=1 there is nothing to all-reduce; every method equals the reference")
     base = PrefillEngine.from_name(
         config.model,
         config.tp,
