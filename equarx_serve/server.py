@@ -338,7 +338,7 @@ class Scheduler:
                 on_finish=on_finish, more=functools.partial(self._more, jobs),
             )  # fmt: skip
         except Exception as e:
-            untouched = [j for j in jobs if j.first_token_at is None]
+            untouched = [j for j in jobs if j.first_token_at is None and not j.finished]
             if len(jobs) > 1 and len(untouched) == len(jobs):
                 # One bad request must not fail the others: run each alone.
                 logger.warning("batch of %d failed (%s); running each request alone", len(jobs), e)

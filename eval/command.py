@@ -172,9 +172,14 @@ def run(args: argparse.Namespace) -> int:
     from eval import report as report_lib
 
     resolve_methods(config.all_methods())  # UsageError for unknown names or options
-    with tqdm(total=config.num_seqs, unit="seq", desc="eval", file=sys.stderr) as bar:
+    with tqdm(unit="seq", desc="eval", file=sys.stderr) as bar:
+
+        def progress(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done)
+
         try:
-            report = harness.run_eval(config, progress=bar.update, log=bar.write)
+            report = harness.run_eval(config, progress=progress, log=bar.write)
         except ValueError as e:
             raise UsageError(str(e)) from None
     print(report_lib.format_table(report))

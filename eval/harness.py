@@ -122,10 +122,11 @@ class _MethodScores:
 def run_eval(
     config: EvalConfig,
     *,
-    progress: Callable[[int], None] | None = None,
+    progress: Callable[[int, int], None] | None = None,
     log: Callable[[str], None] = lambda message: None,
 ) -> dict[str, Any]:
-    """Runs the evaluation (see module doc); `progress(n)` after every n windows scored.
+    """Runs the evaluation (see module doc); `progress(n, total)` after every n of `total`
+    windows scored.
     Returns the report: {"reference", "floor", "methods": {label: numbers}, "settings"}.
     ValueError for bad settings (unknown method, model that cannot split TP ways, text too
     short...)."""
@@ -198,7 +199,7 @@ def run_eval(
             del result, trace
         del reference_logits, f32_trace
         if progress:
-            progress(len(batch))
+            progress(len(batch), len(windows))
 
     reports = {}
     reference_tokens = scores[REFERENCE].per_token()
@@ -208,19 +209,22 @@ def run_eval(
         summary = metrics.summarize(score.per_token(), reference_ppl)
         summary["nonfinite_all_reduce"] = sum(site["nonfinite"] for site in per_site)
         summary["nonfinite"] = summary["nonfinite_logits"] + summary["nonfinite_all_reduce"]
-        summary["born_error_max"] = max(site["born_error"] for site in per_site)
+        summary["born_error_max"] = float(np.max([site["born_error"] for site in per_site]))
         summary["final_layer_error"] = per_site[-1]["error"]
         reports[label] = {**summary, "per_layer": per_site}
 
+    prompts: list[list[int]] = []
     if config.greedy_prompts > 0 and config.greedy_tokens > 0:
         prompts = corpus_lib.prompts_from_windows(
             windows, config.greedy_prompt_len, config.greedy_prompts
         )
         log(f"greedy: {len(prompts)} prompts x {config.greedy_tokens} tokens per method")
         sampling = SamplingParams(max_tokens=config.greedy_tokens)
+        # Completion.tokens leaves the stop token out; put it back, so that stopping where
+        # the reference went on (or the reverse) counts as a divergence.
         generated = {
             label: [
-                c.tokens
+                c.tokens + ([tokenizer.eos_id] if c.finish_reason == "stop" else [])
                 for c in Generator(engine, max_batch=len(prompts)).generate(prompts, sampling)
             ]
             for label, engine in engines.items()
@@ -244,7 +248,7 @@ def run_eval(
         "batch_size": batch_size,
         "scored_tokens": len(windows) * num_scored,
         "greedy": {
-            "prompts": config.greedy_prompts,
+            "prompts": len(prompts),
             "prompt_len": config.greedy_prompt_len,
             "tokens": config.greedy_tokens,
         },

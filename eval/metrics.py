@@ -165,16 +165,25 @@ def summarize_sites(names: list[str], sums: np.ndarray) -> list[dict[str, object
             "site": name,
             "layer": int(layer.removeprefix("layer_")),
             "kind": kind,
-            "born_error": float(np.sqrt(born_sq / exact_sq)) if exact_sq > 0 else 0.0,
-            "error": float(np.sqrt(error_sq / base_sq)) if base_sq > 0 else 0.0,
+            "born_error": _relative(born_sq, exact_sq),
+            "error": _relative(error_sq, base_sq),
             "nonfinite": int(nonfinite),
         })  # fmt: skip
     return rows
 
 
+def _relative(error_sq: float, norm_sq: float) -> float:
+    """sqrt(error_sq / norm_sq); 0 for an exact zero, and NaN or Inf kept (never hidden)."""
+    if error_sq == 0 and norm_sq == 0:
+        return 0.0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return float(np.sqrt(np.float64(error_sq) / np.float64(norm_sq)))
+
+
 def greedy_agreement(reference: list[list[int]], generated: list[list[int]]) -> dict[str, object]:
     """Per prompt, how many generated tokens match the reference's before the first
-    divergence (a method that reproduces the reference exactly, EOS included, scores all)."""
+    divergence (a method that reproduces the reference exactly, stop token included, scores
+    all; the caller appends the stop token to completions that stopped)."""
     matched = [_common_prefix(ref, gen) for ref, gen in zip(reference, generated, strict=True)]
     lengths = [len(ref) for ref in reference]
     return {

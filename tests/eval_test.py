@@ -268,3 +268,17 @@ def test_cli_rejects_bad_input_with_a_usage_error(flags, message, capsys):
 def test_the_repos_thresholds_files_are_valid(name):
     limits = gate.load_thresholds(Path(__file__).parent.parent / "eval" / name)
     assert {"equarx-int8", "psum-f32", "naive-int8"} <= set(gate.methods_named(limits))
+
+
+def test_stopping_early_or_late_is_a_divergence():
+    # What the harness passes: completions that stopped carry their stop token (1 = EOS).
+    stopped, went_on = [5, 6, 1], [5, 6, 7, 8]
+    assert metrics.greedy_agreement([stopped], [went_on])["greedy_identical"] == 0
+    assert metrics.greedy_agreement([went_on], [stopped])["greedy_matched"] == [2]
+
+
+def test_non_finite_errors_are_reported_not_hidden():
+    sums = np.array([[np.nan, np.nan, 1.0, 4.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    rows = metrics.summarize_sites(["layer_0/attn", "layer_0/mlp"], sums)
+    assert math.isnan(rows[0]["born_error"]) and rows[0]["error"] == 0.5
+    assert rows[1]["born_error"] == 0.0 and rows[1]["error"] == 0.0
