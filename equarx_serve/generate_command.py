@@ -30,14 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.devices import set_host_device_count
+from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
 
-DEFAULT_MODEL = "gemma3-270m"
-DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_MAX_LENGTH = 4096  # prompt + completion tokens; the engine's last length bucket
-DTYPES = ("bfloat16", "float32")
 
 
 def _float(text: str) -> float:
@@ -57,21 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     inputs.add_argument("--chat", action="store_true",
                         help="wrap each prompt in the Gemma 3 chat template")  # fmt: skip
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
-                       ", real weights; other names are random-init)")  # fmt: skip
-    model.add_argument("--tp", type=argument_type(int_at_least(1)), default=2, metavar="N",
-                       help="tensor-parallel degree: N host CPU devices (default: 2)")  # fmt: skip
-    model.add_argument(
-        "--all-reduce",
-        type=argument_type(parse_method),
-        default=DEFAULT_ALL_REDUCE,
-        metavar="METHOD",
-        help="NAME or NAME:key=value,... (default: %(default)s; see bench allreduce)",
-    )
-    model.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
-    model.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
-    model.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                       help="parameter dtype (default: %(default)s)")  # fmt: skip
+    add_model_arguments(model)
     model.add_argument("--max-length", type=argument_type(int_at_least(16)),
                        default=DEFAULT_MAX_LENGTH, metavar="N",
                        help="longest prompt + completion (default: %(default)s)")  # fmt: skip
@@ -136,18 +120,11 @@ def _usage_line(usage: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Loads the model, generates, prints; 0 on success."""
     prompts = read_prompts(args)
-    if (args.checkpoint is None) != (args.tokenizer is None):
-        raise UsageError("--checkpoint and --tokenizer go together")
+    check_model_arguments(args)
     if "jax" not in sys.modules:
         set_host_device_count(args.tp)
 
-    import jax
-    import jax.numpy as jnp
-
-    from equarx_serve.bench.allreduce import resolve_methods
-    from equarx_serve.collectives import get_all_reduce
     from equarx_serve.decode import Generator, SamplingParams, chat_prompt
-    from equarx_serve.engine import PrefillEngine
 
     try:
         params = SamplingParams(
@@ -160,18 +137,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
-    resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
-    if args.tp > len(jax.devices()):
-        raise UsageError(f"--tp {args.tp} needs {args.tp} devices, JAX has {len(jax.devices())}")
     started = time.perf_counter()
-    try:
-        engine = PrefillEngine.from_name(
-            args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
-            checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=args.max_length,
-            dtype=jnp.dtype(args.dtype),
-        )  # fmt: skip
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    engine = engine_from_args(args, max_length=args.max_length)
     load_s = time.perf_counter() - started
     generator = Generator(engine, max_batch=args.max_batch)
     texts = [chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in prompts]

@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-from pathlib import Path
 
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.devices import set_host_device_count
-from equarx_serve.generate_command import DTYPES
+from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
 
-DEFAULT_MODEL = "gemma3-270m"
-DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_QUEUE = 64
 # Prompt + completion tokens per request. Gemma 3 270M has a 32K context; on CPU long buckets
@@ -41,19 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
     parser.add_argument("--port", type=argument_type(int_at_least(0)), default=8000,
                         help="default: %(default)s (0: any free port)")  # fmt: skip
-    parser.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
-                        ", real weights; other names are random-init)")  # fmt: skip
+    add_model_arguments(parser)
     parser.add_argument("--served-model-name", metavar="NAME",
                         help="the id in /v1/models and requests (default: --model)")  # fmt: skip
-    parser.add_argument("--tp", type=argument_type(int_at_least(1)), default=2, metavar="N",
-                        help="tensor-parallel degree: N host devices (default: 2)")  # fmt: skip
-    parser.add_argument(
-        "--all-reduce",
-        type=argument_type(parse_method),
-        default=DEFAULT_ALL_REDUCE,
-        metavar="METHOD",
-        help="NAME or NAME:key=value,... (default: %(default)s; see bench allreduce)",
-    )
     parser.add_argument("--max-batch", type=argument_type(int_at_least(1)),
                         default=DEFAULT_MAX_BATCH, metavar="B",
                         help="requests per device step (default: %(default)s)")  # fmt: skip
@@ -71,19 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT_S,
                         metavar="S", help="on SIGTERM, how long running requests may take to "
                         "finish before they are cancelled (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                        help="parameter dtype (default: %(default)s; XLA:CPU runs bf16 matmuls "
-                        "several times slower than f32)")  # fmt: skip
-    parser.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
-    parser.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
     parser.add_argument("--log-level", default="info",
                         choices=["debug", "info", "warning", "error"])  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Load, compile, serve until SIGTERM/SIGINT; 0 after a clean shutdown."""
-    if (args.checkpoint is None) != (args.tokenizer is None):
-        raise UsageError("--checkpoint and --tokenizer go together")
+    check_model_arguments(args)
     if args.batch_window_ms < 0 or args.graceful_timeout < 0:
         raise UsageError("--batch-window-ms and --graceful-timeout must be >= 0")
     logging.basicConfig(
@@ -92,24 +73,12 @@ def run(args: argparse.Namespace) -> int:
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing at import
     set_host_device_count(args.tp)  # XLA_FLAGS, before JAX is imported
-    import jax.numpy as jnp
     import uvicorn
 
-    from equarx_serve.bench.allreduce import resolve_methods
-    from equarx_serve.collectives import get_all_reduce
     from equarx_serve.decode import Generator
-    from equarx_serve.engine import PrefillEngine
     from equarx_serve.server import create_app, drain_on_exit
 
-    resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
-    try:
-        engine = PrefillEngine.from_name(
-            args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
-            checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=args.max_length,
-            dtype=jnp.dtype(args.dtype),
-        )  # fmt: skip
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    engine = engine_from_args(args, max_length=args.max_length)
     generator = Generator(engine, max_batch=args.max_batch)
     app = create_app(
         generator,

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+from equarx_serve.model_args import add_model_arguments, check_model_arguments
 from eval import harness
 from models.config import DEFAULT_MAX_LENGTH
 
@@ -29,21 +30,7 @@ OUT_DIR = Path("eval-results")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `eval`."""
-    model = parser.add_argument_group("model")
-    model.add_argument(
-        "--model",
-        default=harness.DEFAULT_MODEL,
-        help="config name (default: %(default)s, real weights; other names are random-init)",
-    )
-    model.add_argument(
-        "--tp",
-        type=argument_type(int_at_least(1)),
-        default=2,
-        metavar="N",
-        help="tensor-parallel degree: N host CPU devices (default: 2)",
-    )
-    model.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
-    model.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    add_model_arguments(parser.add_argument_group("model"), all_reduce=False, dtype=False)
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -122,8 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harness.EvalConfig:
-    if (args.checkpoint is None) != (args.tokenizer is None):
-        raise UsageError("--checkpoint and --tokenizer go together")
+    check_model_arguments(args)
     if args.seq_len > DEFAULT_MAX_LENGTH:
         raise UsageError(
             f"--seq-len {args.seq_len} is longer than Gemma 3's context of {DEFAULT_MAX_LENGTH}"

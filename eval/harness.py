@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from equarx_serve.bench.allreduce import MethodSpec, parse_method
+from equarx_serve.model_args import DEFAULT_MODEL
 
 REFERENCE = "psum"
 FLOOR = "psum-f32"
 DEFAULT_METHODS = ("psum", "psum-f32", "ring", "naive-int8", "equarx-int8")
-DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_SEQ_LEN = 512
 DEFAULT_NUM_SEQS = 16
 
@@ -80,12 +80,10 @@ class EvalConfig:
 
 def _with_gate_off(spec: MethodSpec) -> dict[str, object]:
     """The all-reduce options the harness runs `spec` with (size gate off unless set)."""
-    import dataclasses as dc
-
     from equarx_serve.collectives import get_all_reduce
 
     options = dict(spec.options)
-    fields = {f.name for f in dc.fields(get_all_reduce(spec.name, **options))}
+    fields = {f.name for f in dataclasses.fields(get_all_reduce(spec.name, **options))}
     if "min_size_bytes" in fields and "min_size_bytes" not in options:
         options["min_size_bytes"] = 0
     return options

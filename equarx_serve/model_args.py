@@ -1,0 +1,68 @@
+"""The model flags `generate`, `serve` and `eval` share, and the engine they describe.
+
+No JAX at import: the commands stay fast to start and set the host device count first.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least, parse_method
+
+DEFAULT_MODEL = "gemma3-270m"
+DEFAULT_ALL_REDUCE = "equarx-int8"
+DEFAULT_TP = 2
+DTYPES = ("bfloat16", "float32")
+
+
+def add_model_arguments(
+    group: argparse._ActionsContainer, *, all_reduce: bool = True, dtype: bool = True
+) -> None:
+    """--model, --tp, --checkpoint/--tokenizer, and unless turned off --all-reduce, --dtype."""
+    group.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
+                       ", real weights; other names are random-init)")  # fmt: skip
+    group.add_argument("--tp", type=argument_type(int_at_least(1)), default=DEFAULT_TP,
+                       metavar="N", help="tensor-parallel degree: N host CPU devices "
+                       "(default: %(default)s)")  # fmt: skip
+    if all_reduce:
+        group.add_argument(
+            "--all-reduce",
+            type=argument_type(parse_method),
+            default=DEFAULT_ALL_REDUCE,
+            metavar="METHOD",
+            help="NAME or NAME:key=value,... (default: %(default)s; see bench allreduce)",
+        )
+    group.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
+    group.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
+    if dtype:
+        group.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                           help="parameter dtype (default: %(default)s)")  # fmt: skip
+
+
+def check_model_arguments(args: argparse.Namespace) -> None:
+    """UsageError for model flags that cannot go together (before anything loads)."""
+    if (args.checkpoint is None) != (args.tokenizer is None):
+        raise UsageError("--checkpoint and --tokenizer go together")
+
+
+def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
+    """The `PrefillEngine` the flags of `add_model_arguments` describe (imports JAX: set the
+    host device count first); UsageError for an unknown all-reduce, a model that cannot be
+    split TP ways, too few devices or unreadable weights."""
+    import jax.numpy as jnp
+
+    from equarx_serve.bench.allreduce import resolve_methods
+    from equarx_serve.collectives import get_all_reduce
+    from equarx_serve.engine import PrefillEngine
+
+    resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
+    try:
+        return PrefillEngine.from_name(
+            args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
+            checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=max_length,
+            dtype=jnp.dtype(args.dtype),
+        )  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
