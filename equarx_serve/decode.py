@@ -58,7 +58,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.engine import PrefillEngine
-from models.tokenizer import Tokenizer
+from models.tokenizer import Tokenizer, set_bpe_specs
 
 __all__ = [
     "Completion",
@@ -270,18 +270,7 @@ def byte_tokenizer(vocab_size: int) -> Tokenizer:
     for i, word in enumerate(words[: vocab_size - len(proto.pieces)]):
         kind = piece.CONTROL if word.startswith("<unused") else piece.NORMAL
         proto.pieces.add(piece=word, score=-float(i), type=kind)
-    trainer = proto.trainer_spec
-    trainer.model_type = sp_pb2.TrainerSpec.BPE
-    trainer.vocab_size = len(proto.pieces)
-    trainer.byte_fallback = True
-    for name, i in (("pad", 0), ("eos", 1), ("bos", 2), ("unk", 3)):
-        setattr(trainer, f"{name}_id", i)
-        setattr(trainer, f"{name}_piece", proto.pieces[i].piece)
-    normalizer = proto.normalizer_spec
-    normalizer.name = "identity"
-    normalizer.add_dummy_prefix = False
-    normalizer.remove_extra_whitespaces = False
-    normalizer.escape_whitespaces = True
+    set_bpe_specs(proto, {"pad": 0, "eos": 1, "bos": 2, "unk": 3}, add_dummy_prefix=False)
     return Tokenizer(proto.SerializeToString(), source=f"byte_tokenizer({vocab_size})")
 
 

@@ -118,23 +118,30 @@ def sentencepiece_proto_from_gguf(path_or_reader: Any) -> bytes:
             kind = _Piece.USER_DEFINED
         proto.pieces.add(piece=piece.replace(" ", _WS), score=float(score), type=kind)
 
+    set_bpe_specs(proto, ids, add_dummy_prefix=add_dummy_prefix)
     ts = proto.trainer_spec
-    ts.model_type = sp_pb2.TrainerSpec.BPE
-    ts.vocab_size = len(tokens)
-    ts.byte_fallback = True
     ts.split_digits = True
     ts.allow_whitespace_only_pieces = True
     ts.treat_whitespace_as_suffix = False
+    return proto.SerializeToString()
+
+
+def set_bpe_specs(proto: Any, ids: dict[str, int], *, add_dummy_prefix: bool) -> None:
+    """Completes a `ModelProto` whose pieces are in place as a byte-fallback BPE model: the
+    special ids ({"pad"|"eos"|"bos"|"unk": id}) and their pieces, and an identity normalizer
+    that keeps whitespace (escaped as SentencePiece's U+2581)."""
+    ts = proto.trainer_spec
+    ts.model_type = sp_pb2.TrainerSpec.BPE
+    ts.vocab_size = len(proto.pieces)
+    ts.byte_fallback = True
     for name, i in ids.items():
         setattr(ts, f"{name}_id", i)
         setattr(ts, f"{name}_piece", proto.pieces[i].piece)
-
     ns = proto.normalizer_spec
     ns.name = "identity"
     ns.add_dummy_prefix = add_dummy_prefix
     ns.remove_extra_whitespaces = False
     ns.escape_whitespaces = True
-    return proto.SerializeToString()
 
 
 class Tokenizer:
