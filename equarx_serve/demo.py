@@ -57,7 +57,6 @@ def _one_line(text: str, width: int = 88) -> str:
 
 def serve_side_by_side(out: dict[str, Any]) -> None:
     """Part 1: generate with every SERVE_METHODS entry on one loaded model."""
-    from equarx_serve.bench.allreduce import parse_method
     from equarx_serve.collectives import get_all_reduce
     from equarx_serve.decode import Generator, SamplingParams
     from equarx_serve.engine import PrefillEngine
@@ -74,7 +73,7 @@ def serve_side_by_side(out: dict[str, Any]) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS)
     runs: dict[str, Any] = {}
     for label in SERVE_METHODS:
-        spec = parse_method(label)
+        spec = allreduce.parse_method(label)
         generator = Generator(base.with_all_reduce(get_all_reduce(spec.name, **spec.options)))
         # The short prompts as one batch, the long one alone: each batch's prefill messages
         # are what the size gate sees, so mixing them would send the short ones through it.
@@ -124,14 +123,12 @@ def serve_side_by_side(out: dict[str, Any]) -> None:
 
 def evaluate(out_dir: Path, out: dict[str, Any]) -> None:
     """Part 2: a short eval harness run."""
-    from equarx_serve.bench.allreduce import parse_method
     from eval import harness
     from eval import report as report_lib
 
     print("\n== Quality: the eval harness, short run (equarx-serve eval for the full one) ==")
-    config = harness.EvalConfig(
-        model=MODEL, tp=TP, methods=tuple(parse_method(m) for m in EVAL_METHODS), **EVAL_SETTINGS
-    )
+    methods = tuple(allreduce.parse_method(m) for m in EVAL_METHODS)
+    config = harness.EvalConfig(model=MODEL, tp=TP, methods=methods, **EVAL_SETTINGS)
     report = harness.run_eval(config)
     print(report_lib.format_table(report))
     report_lib.write_json(report, out_dir / "eval.json")
