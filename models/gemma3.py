@@ -592,6 +592,10 @@ class TensorParallelGemma3:
         self.all_reduce = get_all_reduce(all_reduce)
         self.param_specs = param_partition_specs(config, self.tp, axis_name=axis_name)
         self.cache_spec = cache_partition_spec(config, self.tp, axis_name=axis_name)
+        self._cache_specs = {
+            f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
+            for i in range(config.num_layers)
+        }
         self._module = Gemma3Shard(config, self.layout, self.all_reduce, axis_name)
         self._forward = {
             (last_only, capture): self._build(last_only, capture)
@@ -609,10 +613,6 @@ class TensorParallelGemma3:
         return jax.device_put(params, self.param_shardings())
 
     def _build(self, last_only: bool, capture: bool):
-        cache_specs = {
-            f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
-            for i in range(self.config.num_layers)
-        }
 
         def shard_forward(params, tokens, input_mask):
             variables = {"params": params}
@@ -632,7 +632,7 @@ class TensorParallelGemma3:
             shard_forward,
             mesh=self.mesh,
             in_specs=(self.param_specs, P(), P()),
-            out_specs=(P(), cache_specs, P()),
+            out_specs=(P(), self._cache_specs, P()),
             check_vma=False,
         )
 
@@ -643,10 +643,6 @@ class TensorParallelGemma3:
         return jax.jit(forward)
 
     def _build_decode(self):
-        cache_specs = {
-            f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
-            for i in range(self.config.num_layers)
-        }
 
         def shard_decode(params, cache, tokens, lengths):
             return self._module.apply(
@@ -656,8 +652,8 @@ class TensorParallelGemma3:
         sharded = jax.shard_map(
             shard_decode,
             mesh=self.mesh,
-            in_specs=(self.param_specs, cache_specs, P(), P()),
-            out_specs=(P(), cache_specs),
+            in_specs=(self.param_specs, self._cache_specs, P(), P()),
+            out_specs=(P(), self._cache_specs),
             check_vma=False,  # as in `_build`
         )
 
