@@ -450,7 +450,6 @@ class Generator:
         prefill; at least `MIN_ROWS`, see there), and the shapes say so."""
         ar, config = self.engine.all_reduce, self.engine.config
         itemsize = jnp.dtype(self.engine.dtype).itemsize
-        is_gated = getattr(ar, "is_gated", None)
         phases = {}
         bucket = self.engine.bucket_for(prompt_len)
         shapes = (
@@ -459,7 +458,7 @@ class Generator:
         )
         for phase, rows, length in shapes:
             elements = rows * length * config.embed_dim
-            gated = bool(is_gated(elements, self.engine.dtype)) if is_gated else False
+            gated = ar.is_gated(elements, self.engine.dtype)
             phases[phase] = {
                 "shape": [rows, length, config.embed_dim],
                 "message_bytes": elements * itemsize,
@@ -468,7 +467,7 @@ class Generator:
         return {
             "all_reduce": ar.name,
             "options": ar.options(),
-            "min_size_bytes": getattr(ar, "min_size_bytes", None),
+            "min_size_bytes": ar.options().get("min_size_bytes"),
             **phases,
         }
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from equarx_serve.bench import allreduce
+from equarx_serve.collectives.registry import parse_method
 
 DEMO_DIR = Path("demo-results")
 MODEL = "gemma3-270m"
@@ -73,7 +74,7 @@ def serve_side_by_side(out: dict[str, Any]) -> None:
     params = SamplingParams(max_tokens=MAX_TOKENS)
     runs: dict[str, Any] = {}
     for label in SERVE_METHODS:
-        spec = allreduce.parse_method(label)
+        spec = parse_method(label)
         generator = Generator(base.with_all_reduce(get_all_reduce(spec.name, **spec.options)))
         # The short prompts as one batch, the long one alone: each batch's prefill messages
         # are what the size gate sees, so mixing them would send the short ones through it.
@@ -127,7 +128,7 @@ def evaluate(out_dir: Path, out: dict[str, Any]) -> None:
     from eval import report as report_lib
 
     print("\n== Quality: the eval harness, short run (equarx-serve eval for the full one) ==")
-    methods = tuple(allreduce.parse_method(m) for m in EVAL_METHODS)
+    methods = tuple(parse_method(m) for m in EVAL_METHODS)
     config = harness.EvalConfig(model=MODEL, tp=TP, methods=methods, **EVAL_SETTINGS)
     report = harness.run_eval(config)
     print(report_lib.format_table(report))
@@ -156,9 +157,7 @@ def run(out_dir: Path) -> int:
     config = allreduce.BenchConfig(
         meshes=(("processes", 2),),
         sizes=tuple(allreduce.parse_size(s) for s in allreduce.DEFAULT_SIZES),
-        methods=tuple(
-            allreduce.parse_method(m) for m in [*list_all_reduces(), *BENCH_EXTRA_METHODS]
-        ),
+        methods=tuple(parse_method(m) for m in [*list_all_reduces(), *BENCH_EXTRA_METHODS]),
         json_path=out_dir / "allreduce.json",
         plot_path=out_dir / "allreduce.png",
     )

@@ -26,12 +26,15 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from equarx_serve.bench.allreduce import MethodSpec, parse_method
+from equarx_serve.collectives.registry import MethodSpec, get_all_reduce, parse_method
 from equarx_serve.model_args import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from equarx_serve.collectives import AllReduce
 
 REFERENCE = "psum"
 FLOOR = "psum-f32"
@@ -78,15 +81,13 @@ class EvalConfig:
         return tuple(specs)
 
 
-def _with_gate_off(spec: MethodSpec) -> dict[str, object]:
-    """The all-reduce options the harness runs `spec` with (size gate off unless set)."""
-    from equarx_serve.collectives import get_all_reduce
-
-    options = dict(spec.options)
-    fields = {f.name for f in dataclasses.fields(get_all_reduce(spec.name, **options))}
-    if "min_size_bytes" in fields and "min_size_bytes" not in options:
-        options["min_size_bytes"] = 0
-    return options
+def _with_gate_off(spec: MethodSpec) -> AllReduce:
+    """The all-reduce the harness runs `spec` with: its gate off unless the spec sets one
+    (any option of the method that `ungated()` changes)."""
+    ar = get_all_reduce(spec)
+    ungated = ar.ungated()
+    gate_options = {k for k, v in ungated.options().items() if ar.options()[k] != v}
+    return ar if gate_options & set(spec.options) else ungated
 
 
 def _versions() -> dict[str, str]:
@@ -132,7 +133,6 @@ def run_eval(
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from equarx_serve.collectives import get_all_reduce
     from equarx_serve.decode import Generator, SamplingParams, byte_tokenizer
     from equarx_serve.engine import PrefillEngine
     from eval import corpus as corpus_lib
@@ -141,8 +141,7 @@ def run_eval(
 
     started = time.perf_counter()
     specs = config.all_methods()
-    options = {spec.label: _with_gate_off(spec) for spec in specs}
-    all_reduces = {s.label: get_all_reduce(s.name, **options[s.label]) for s in specs}
+    all_reduces = {spec.label: _with_gate_off(spec) for spec in specs}
 
     max_length = max(config.seq_len, config.greedy_prompt_len + config.greedy_tokens)
     log(f"loading {config.model} at TP={config.tp}")

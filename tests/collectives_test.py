@@ -30,11 +30,13 @@ from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import (
     AllReduce,
-    base,
     get_all_reduce,
     list_all_reduces,
+    parse_method,
     register_all_reduce,
+    registry,
 )
+from equarx_serve.collectives.base import ring_all_reduce_bytes
 from equarx_serve.collectives.hadamard import block_hadamard
 
 BUILTINS = ["psum", "psum-f32", "ring", "naive-int8", "equarx-int8"]
@@ -84,7 +86,7 @@ def error_of(ar: AllReduce, kind: str, n: int) -> float:
 @pytest.fixture
 def scratch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
     """Registrations made in a test are undone after it."""
-    monkeypatch.setattr(base, "_REGISTRY", dict(base._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
 
 
 def test_the_five_builtins_are_registered():
@@ -92,6 +94,34 @@ def test_the_five_builtins_are_registered():
     for name in BUILTINS:
         ar = get_all_reduce(name)
         assert isinstance(ar, AllReduce) and ar.name == name
+
+
+def test_the_interface_says_which_messages_are_quantized():
+    small, large = 1000, 1 << 20  # bf16 elements: 2 KB and 2 MiB, around the 1 MiB gate
+    unquantized = [get_all_reduce(name) for name in ("psum", "psum-f32", "ring")]
+    for ar in unquantized:
+        assert not ar.quantized and not ar.quantizes(large, jnp.bfloat16)
+        assert not ar.is_gated(small, jnp.bfloat16) and ar.ungated() is ar
+    naive = get_all_reduce("naive-int8")
+    assert naive.quantized and naive.quantizes(small, jnp.bfloat16)
+    gated = get_all_reduce("equarx-int8")
+    assert gated.quantized
+    assert gated.is_gated(small, jnp.bfloat16) and not gated.quantizes(small, jnp.bfloat16)
+    assert gated.quantizes(large, jnp.bfloat16) and not gated.is_gated(large, jnp.bfloat16)
+    half = large // 2 - 1  # just under 1 MiB in bf16, just under 2 MiB in f32
+    assert gated.is_gated(half, jnp.bfloat16) and not gated.is_gated(half, jnp.float32)
+    ungated = gated.ungated()
+    assert ungated.quantizes(small, jnp.bfloat16) and ungated.options()["min_size_bytes"] == 0
+
+
+def test_a_method_spec_names_an_all_reduce_and_its_options():
+    spec = parse_method(" equarx-int8 : block_size=64, rotation=none, bidirectional=true ")
+    assert spec.label == "equarx-int8:block_size=64,rotation=none,bidirectional=true"
+    ar = get_all_reduce(spec)
+    assert (ar.block_size, ar.rotation, ar.bidirectional) == (64, None, True)
+    for bad in ("", ":block_size=64", "equarx-int8:block_size", "ring:a=1,a=2"):
+        with pytest.raises(ValueError, match="invalid method"):
+            parse_method(bad)
 
 
 def test_unknown_name_lists_the_registered_ones():
@@ -451,7 +481,7 @@ def bytes_sent_per_device(hlo: str, n: int) -> int:
     for result_type, op in _HLO_OP.findall(hlo):
         for dtype, dims in _HLO_SHAPE.findall(result_type):
             size = _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-            total += size if op == "collective-permute" else base.ring_all_reduce_bytes(size, n)
+            total += size if op == "collective-permute" else ring_all_reduce_bytes(size, n)
     return total
 
 

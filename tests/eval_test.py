@@ -14,7 +14,7 @@ import pytest
 from conftest import mesh_of
 
 from equarx_serve import cli
-from equarx_serve.bench.allreduce import parse_method
+from equarx_serve.collectives import parse_method
 from eval import corpus, gate, harness, metrics
 from models.config import get_config
 

@@ -8,8 +8,8 @@ fresh child process so that the device count can be set before JAX starts. Repor
   median ms     of the timed calls (p10 and p90 in the JSON), the slowest process's time
   speed-up      the baseline's median / this method's median, where the BASELINE is the
                 fastest unquantized method at that mesh and size: the lowest median among the
-                measured methods whose name does not contain "int8" (psum, psum-f32, ring);
-                no speed-up when no such method was measured
+                measured methods that do not quantize this message (`AllReduce.quantizes`:
+                psum, psum-f32, ring, or a gated one); none when no such method was measured
   wire MiB      bytes each device sends, counted from the compiled program's HLO
                 (`hlo_bytes.py`); flagged when it differs from the method's `wire_bytes` formula
   bytes ratio   wire bytes / the baseline's wire bytes
@@ -31,6 +31,8 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from equarx_serve.collectives.registry import MethodSpec, parse_method
 
 DEFAULT_SIZES = ("64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB")
 WORKER_TIMEOUT_S = 1800.0
@@ -62,43 +64,6 @@ def format_size(size: int) -> str:
         if size % _UNITS[unit.lower()] == 0:
             return f"{size // _UNITS[unit.lower()]}{unit}"
     return f"{size}B"
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodSpec:
-    """`name` or `name:key=value,key=value`; `label` is the spec as written, without spaces."""
-
-    label: str
-    name: str
-    options: dict[str, object]
-
-
-def _parse_value(text: str) -> object:
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    try:
-        return int(text)
-    except ValueError:
-        return text
-
-
-def parse_method(text: str) -> MethodSpec:
-    """`equarx-int8:schedule=ring,rotation=hadamard` -> its name and options (values parsed as
-    int, bool, None or else str). Names and options are checked against the registry later."""
-    label = re.sub(r"\s+", "", text)
-    name, _, option_text = label.partition(":")
-    options: dict[str, object] = {}
-    for item in filter(None, option_text.split(",")):
-        key, sep, value = item.partition("=")
-        if not (sep and key) or key in options:
-            raise ValueError(f"invalid method {text!r}: options are key=value,key=value")
-        options[key] = _parse_value(value)
-    if not name:
-        raise ValueError(f"invalid method {text!r}: no all-reduce name")
-    return MethodSpec(label, name, options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,7 +120,7 @@ def _run_worker(
 def add_comparisons(result: dict[str, object]) -> None:
     """Adds baseline, speedup, bytes_ratio and wire_match to every row of one worker result."""
     rows = result["rows"]
-    unquantized = [row for row in rows if "int8" not in row["name"]]
+    unquantized = [row for row in rows if not row["quantized"]]
     baseline = min(unquantized, key=lambda row: row["median_ms"], default=None)
     for row in rows:
         row["wire_match"] = row["wire_bytes_hlo_total"] == row["wire_bytes_formula"]
@@ -277,7 +242,7 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
         "repeats": "adaptive" if config.repeats is None else config.repeats,
         "dtype": "bfloat16",
         "seed": config.seed,
-        "baseline_rule": "fastest median among methods whose name does not contain 'int8'",
+        "baseline_rule": "fastest median among methods that do not quantize the message",
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
         "host_cpu_count": os.cpu_count(),

@@ -187,6 +187,7 @@ def measure(
             "label": label,
             "name": method["name"],
             "options": ar.options(),
+            "quantized": ar.quantizes(num_elements, jnp.bfloat16),
             "wire_bytes_hlo": hlo_bytes,
             "wire_bytes_hlo_total": sum(hlo_bytes.values()),
             "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),

@@ -36,13 +36,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from equarx_serve.bench.allreduce import (
-    MethodSpec,
     UsageError,
     argument_type,
     int_at_least,
-    parse_method,
     resolve_methods,
 )
+from equarx_serve.collectives.registry import MethodSpec, parse_method
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_SEQ_LENS = (128, 512, 2048)

@@ -143,7 +143,7 @@ def measure(
             "label": label,
             "name": ar.name,
             "options": ar.options(),
-            "gated": bool(getattr(ar, "is_gated", lambda *_: False)(num_elements, base.dtype)),
+            "gated": ar.is_gated(num_elements, base.dtype),
             "compile_s": compile_s,
             "num_reductions": 0 if label == NO_REDUCE else num_reductions,
             "hlo_collectives": _collective_counts(hlo),

@@ -8,7 +8,11 @@ frozen dataclass whose fields are its typed, validated options, registered under
     y = jax.shard_map(lambda x: ar(x, "tp"), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"))(x)
 
 The base class is the plain collective (`lax.psum`); faster implementations override `reduce`
-and `wire_bytes`. Users add their own with `register_all_reduce`.
+and `wire_bytes`. What callers need to know without running one is part of the interface:
+`quantized` (the wire format is lossy) and `is_gated(num_elements, dtype)` (a message of that
+size goes to the plain collective instead, e.g. a size gate), so `quantizes(...)` says whether a
+given message is actually quantized; `ungated()` is the same method with any gate turned off.
+Users add their own with `register_all_reduce` (`registry.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from equarx_serve.collectives.registry import register_all_reduce
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -48,6 +54,8 @@ class AllReduce:
     """Base all-reduce: `lax.psum` in the input dtype. Subclasses override `reduce`."""
 
     name: ClassVar[str] = "psum"
+    # Whether messages that pass the gate travel in a lossy (quantized) format.
+    quantized: ClassVar[bool] = False
 
     def __call__(self, x: jax.Array, axis_name: str) -> jax.Array:
         axis_size = axis_size_or_raise(axis_name)
@@ -65,6 +73,19 @@ class AllReduce:
 
     def options(self) -> dict[str, object]:
         return dataclasses.asdict(self)
+
+    def is_gated(self, num_elements: int, dtype: jnp.dtype) -> bool:
+        """True when a message of `num_elements` of `dtype` is sent to plain `lax.psum` rather
+        than through this method (a size gate). The base method has no gate."""
+        return False
+
+    def quantizes(self, num_elements: int, dtype: jnp.dtype) -> bool:
+        """True when such a message actually travels quantized (lossy)."""
+        return self.quantized and not self.is_gated(num_elements, dtype)
+
+    def ungated(self) -> AllReduce:
+        """This method with its gate off (every message goes through it); itself if none."""
+        return self
 
 
 def ring_all_reduce_bytes(operand_bytes: int, axis_size: int) -> int:
@@ -89,49 +110,6 @@ class PsumF32(AllReduce):
 
     def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
         return ring_all_reduce_bytes(num_elements * 4, axis_size)
-
-
-_REGISTRY: dict[str, type[AllReduce]] = {}
-
-
-def register_all_reduce(cls: type[AllReduce]) -> type[AllReduce]:
-    """Registers an `AllReduce` subclass under `cls.name` (usable as a class decorator)."""
-    if not (isinstance(cls, type) and issubclass(cls, AllReduce)):
-        raise TypeError(f"register_all_reduce takes an AllReduce subclass, got {cls!r}")
-    if not dataclasses.is_dataclass(cls) or "name" not in vars(cls):
-        raise TypeError(
-            f"{cls.__name__} must be a frozen dataclass that sets `name: ClassVar[str]`"
-        )
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"an all-reduce named {cls.name!r} is already registered")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def list_all_reduces() -> list[str]:
-    return list(_REGISTRY)
-
-
-def get_all_reduce(name: str | AllReduce, **options: object) -> AllReduce:
-    """The all-reduce registered as `name`, configured with `options`.
-
-    An `AllReduce` instance passes through unchanged (options must then be empty).
-    Raises ValueError for an unknown name or option, listing what is valid.
-    """
-    if isinstance(name, AllReduce):
-        if options:
-            raise ValueError("options can only be given with an all-reduce name, not an instance")
-        return name
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown all-reduce {name!r}; registered: {', '.join(_REGISTRY)}")
-    cls = _REGISTRY[name]
-    valid = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {unknown} for all-reduce {name!r}; valid: {valid or 'none'}"
-        )
-    return cls(**options)
 
 
 AllReduceFn = Callable[[jax.Array, str], jax.Array]

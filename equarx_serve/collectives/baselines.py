@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx_serve.collectives.base import AllReduce, check_float_dtype, register_all_reduce
+from equarx_serve.collectives.base import AllReduce, check_float_dtype
+from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce, take_chunk
 from equarx_serve.kernels.block_quantize import FLOAT32_TINY, INT8_MAX
 
@@ -131,6 +132,7 @@ class NaiveInt8(AllReduce):
     """Per-tensor-scale int8 ring, re-quantized and summed in the input dtype at every hop."""
 
     name: ClassVar[str] = "naive-int8"
+    quantized: ClassVar[bool] = True
 
     def _layout(self, size: int, axis_size: int) -> LaneLayout:
         return LaneLayout.create(

@@ -39,8 +39,9 @@ from typing import ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from equarx_serve.collectives.base import AllReduce, check_float_dtype, register_all_reduce
+from equarx_serve.collectives.base import AllReduce, check_float_dtype
 from equarx_serve.collectives.hadamard import block_hadamard
+from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce, take_chunk
 from equarx_serve.kernels import block_quantize
 
@@ -92,6 +93,7 @@ class EquarxInt8(AllReduce):
     """EQuARX int8 all-reduce; see the module docstring. Options are validated on creation."""
 
     name: ClassVar[str] = "equarx-int8"
+    quantized: ClassVar[bool] = True
 
     block_size: int = 256
     # two-shot: the ring's bytes, and error that does not grow with N (0.96% vs 1.50% relative
@@ -145,6 +147,9 @@ class EquarxInt8(AllReduce):
     def is_gated(self, num_elements: int, dtype: jnp.dtype) -> bool:
         """True when a message this size goes to plain `psum` (the size gate)."""
         return num_elements * jnp.dtype(dtype).itemsize < self.min_size_bytes
+
+    def ungated(self) -> EquarxInt8:
+        return dataclasses.replace(self, min_size_bytes=0)
 
     def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
         check_float_dtype(x, self.name)
