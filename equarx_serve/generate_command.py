@@ -28,11 +28,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.devices import set_host_device_count
 from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
+
+if TYPE_CHECKING:
+    from equarx_serve.generation.batching import AllReduceUsage
 
 DEFAULT_MAX_TOKENS = 64
 DEFAULT_MAX_LENGTH = 4096  # prompt + completion tokens; the engine's last length bucket
@@ -107,13 +110,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _usage_line(usage: dict[str, Any]) -> str:
-    gate = usage["min_size_bytes"]
-    parts = [f"all-reduce {usage['all_reduce']}" + ("" if gate is None else f" (gate {gate} B)")]
-    for phase in ("prefill", "decode"):
-        u = usage[phase]
-        shape = "x".join(map(str, u["shape"]))
-        parts.append(f"{phase} [{shape}] {u['message_bytes']} B -> {u['uses']}")
+def _usage_line(usage: AllReduceUsage) -> str:
+    gate = usage.min_size_bytes
+    parts = [f"all-reduce {usage.all_reduce}" + ("" if gate is None else f" (gate {gate} B)")]
+    for phase, traffic in (("prefill", usage.prefill), ("decode", usage.decode)):
+        shape = "x".join(map(str, traffic.shape))
+        parts.append(f"{phase} [{shape}] {traffic.message_bytes} B -> {traffic.uses}")
     return "; ".join(parts)
 
 
@@ -171,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
             "dtype": str(engine.dtype),
             "tp": args.tp,
             "all_reduce": args.all_reduce.label,
-            "all_reduce_usage": usage,
+            "all_reduce_usage": usage.as_dict(),
             "sampling": {
                 "max_tokens": params.max_tokens,
                 "temperature": params.temperature,
