@@ -8,6 +8,8 @@
     steps.py        the device steps (prefill, decode, release), plain data every process runs
     runner.py       DeviceRunner: runs a step on the mesh; its compiled programs
     engine.py       StepEngine: add_request / step() / abort, typed events
+    replicated.py   one step on a mesh that spans processes: process 0 decides and broadcasts,
+                    followers run the same step; a lost follower fails the leader fast
     text.py         the Gemma 3 chat template, a byte tokenizer for random-init models
 
 `equarx_serve.decode.Generator` is the batch API on top (a loop over the step engine), and
