@@ -2,7 +2,8 @@
 
     python -m equarx_serve.serve_bench [--model gemma3-270m] [--tp 2] [--processes 2]
         [--methods psum equarx-int8] [--ttft-tokens 2000] [--ttft-repeats 5]
-        [--clients 1 4 16] [--requests-per-client 4] [--max-tokens 16] [--json PATH]
+        [--clients 1 4 16] [--load-method M] [--requests-per-client 4] [--max-tokens 16]
+        [--json PATH]
 
 For each all-reduce in --methods, one `equarx-serve serve` is started (its own process group;
 with --processes N, N local processes joined by gloo over loopback), waited for (/health), then
@@ -12,7 +13,7 @@ measured, then stopped with SIGTERM:
    --ttft-tokens tokens of text (CPython's reference, cut with the model's tokenizer): one
    untimed run (it compiles the prompt's length bucket), then --ttft-repeats timed ones, each
    from sending the request to receiving the first streamed text, on the client.
-2. Load (the last method only): C clients at a time (--clients), each sending
+2. Load (on --load-method, default the last): C clients at a time (--clients), each sending
    --requests-per-client chat completions back to back (non-streamed, --max-tokens, greedy,
    a different short question each), after one untimed round at every level (it compiles the
    batch shapes). Per level: requests/s (answered requests / wall time), latency
@@ -213,31 +214,38 @@ def _finished_on_server(url: str) -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
-    prompt = long_prompt(args.model, args.ttft_tokens)
+    prompt = long_prompt(args.model, args.ttft_tokens) if args.ttft_repeats else ""
     result: dict = {"settings": vars(args) | {"json": str(args.json)}, "ttft": {}, "load": []}
-    for i, method in enumerate(args.methods):
+    for method in args.methods:
+        print(f"== {method}", flush=True)
         with running_server(args, method) as url:
-            time_to_first_token(url, args.model, prompt)  # compiles the bucket
-            timed = [time_to_first_token(url, args.model, prompt) for _ in range(args.ttft_repeats)]
-            seconds = [t for t, _ in timed]
-            result["ttft"][method] = {
-                "prompt_tokens": timed[0][1],
-                "seconds": seconds,
-                "median_s": statistics.median(seconds),
-            }
-            print(
-                f"{method}: TTFT of {timed[0][1]} prompt tokens, median "
-                f"{statistics.median(seconds):.2f} s of {[round(s, 2) for s in seconds]}"
-            )
-            if i == len(args.methods) - 1 and args.clients:
+            if args.ttft_repeats:
+                result["ttft"][method] = _measure_ttft(url, args, prompt)
+            if method == (args.load_method or args.methods[-1]) and args.clients:
                 result["load_method"] = method
                 result["load"] = _measure_load(url, args)
     return result
 
 
+def _measure_ttft(url: str, args: argparse.Namespace, prompt: str) -> dict:
+    time_to_first_token(url, args.model, prompt)  # compiles the bucket
+    timed = [time_to_first_token(url, args.model, prompt) for _ in range(args.ttft_repeats)]
+    seconds = [t for t, _ in timed]
+    print(
+        f"TTFT of {timed[0][1]} prompt tokens: median {statistics.median(seconds):.2f} s of "
+        f"{[round(s, 2) for s in seconds]}"
+    )
+    return {
+        "prompt_tokens": timed[0][1],
+        "seconds": seconds,
+        "median_s": statistics.median(seconds),
+    }
+
+
 def _measure_load(url: str, args: argparse.Namespace) -> list[dict]:
-    for clients in args.clients:  # untimed: compiles the batch shapes each level uses
-        asyncio.run(_load(url, args.model, clients, 1, args.max_tokens))
+    for clients in args.clients:  # untimed: compiles the shapes each level's batches take
+        per_client = max(1, len(QUESTIONS) // clients)  # every question (length) at every level
+        asyncio.run(_load(url, args.model, clients, per_client, args.max_tokens))
     levels = []
     for clients in args.clients:
         before = _finished_on_server(url)
@@ -290,6 +298,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--ttft-repeats", type=int, default=5)
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16])
+    parser.add_argument("--load-method", help="the method measured under load (default: last)")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--json", type=Path)
