@@ -155,7 +155,9 @@ def time_to_first_token(url: str, model: str, prompt: str) -> tuple[float, int]:
     return first, prompt_tokens
 
 
-async def _load(url: str, model: str, clients: int, per_client: int, max_tokens: int) -> LoadLevel:
+async def load_level(
+    url: str, model: str, clients: int, per_client: int, max_tokens: int
+) -> LoadLevel:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(
@@ -204,7 +206,7 @@ async def _load(url: str, model: str, clients: int, per_client: int, max_tokens:
     )
 
 
-def _finished_on_server(url: str) -> int:
+def finished_on_server(url: str) -> int:
     """Requests the server says it finished (any reason)."""
     total = 0.0
     for line in httpx.get(f"{url}/metrics").text.splitlines():
@@ -245,14 +247,14 @@ def _measure_ttft(url: str, args: argparse.Namespace, prompt: str) -> dict:
 def _measure_load(url: str, args: argparse.Namespace) -> list[dict]:
     for clients in args.clients:  # untimed: compiles the shapes each level's batches take
         per_client = max(1, len(QUESTIONS) // clients)  # every question (length) at every level
-        asyncio.run(_load(url, args.model, clients, per_client, args.max_tokens))
+        asyncio.run(load_level(url, args.model, clients, per_client, args.max_tokens))
     levels = []
     for clients in args.clients:
-        before = _finished_on_server(url)
+        before = finished_on_server(url)
         level = asyncio.run(
-            _load(url, args.model, clients, args.requests_per_client, args.max_tokens)
+            load_level(url, args.model, clients, args.requests_per_client, args.max_tokens)
         )
-        finished = _finished_on_server(url) - before
+        finished = finished_on_server(url) - before
         if finished != level.answered + level.errors:
             raise RuntimeError(f"the server finished {finished} requests, the clients saw {level}")
         levels.append(dataclasses.asdict(level))

@@ -20,6 +20,7 @@ __all__ = [
     "CompletionBody",
     "SamplingBody",
     "bad_request",
+    "unavailable",
     "validation_api_error",
 ]
 
