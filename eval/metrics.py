@@ -16,13 +16,21 @@ distribution and q the method's:
 Per all-reduce site (layer_i/attn, layer_i/mlp), summed over tokens:
   born        ||y - y_exact||^2 and ||y_exact||^2, where y_exact is the f32 psum of the same
               partial sums this run reduced: the error the all-reduce adds at this site
-  propagated  ||y - y_f32run||^2 and ||y_f32run||^2, against the psum-f32 run's output at the
+  propagated  ||y - y_ref||^2 and ||y_ref||^2, against the reference run's output at the
               same site: the error accumulated through all the layers below
+Against the float32 model itself (the compute floor's logits, not the reference's):
+  kl_to_float32                KL(float32 model || method): how far from the higher-precision
+                               model a method is, next to the reference's own distance
+Against the compute floor (the float32 model's numbers, `relative_to_floor`):
+  kl_mean_vs_floor             kl_mean / the floor's kl_mean
+  top1_disagreement_vs_floor   (1 - top1) / (1 - the floor's top1)
+  top1_agreement_below_floor   the floor's top1 - top1 (points, as a fraction)
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +77,10 @@ def token_metrics(
     }
 
 
+def _kl(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
 @jax.jit
 def _distribution_metrics(
     p_logits: jax.Array, q_logits: jax.Array, targets: jax.Array
@@ -77,8 +89,17 @@ def _distribution_metrics(
     log_q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
     return {
         "nll": -jnp.take_along_axis(log_q, targets[..., None], axis=-1)[..., 0],  # [B, T]
-        "kl": jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1),  # [B, T]
+        "kl": _kl(log_p, log_q),  # [B, T]
     }
+
+
+@jax.jit
+def kl_divergence(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
+    """logits [B, L, V] of two runs -> KL(p || q) per position [B, L] (the harness: a method's
+    distance from the float32 model, `kl_to_float32`)."""
+    log_p = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    log_q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
+    return _kl(log_p, log_q)
 
 
 @jax.jit
@@ -113,22 +134,22 @@ def sites(trace: Trace) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 @functools.partial(jax.jit, static_argnames="num_tokens")
-def site_errors(trace: Trace, f32_trace: Trace, *, num_tokens: int) -> jax.Array:
+def site_errors(trace: Trace, reference_trace: Trace, *, num_tokens: int) -> jax.Array:
     """[num_sites, 5] sums over the first `num_tokens` positions of every sequence, per site in
-    depth order: born error^2, exact^2, propagated error^2, psum-f32 run's output^2, non-finite
-    output elements."""
+    depth order: born error^2, exact^2, propagated error^2 (against the reference run's
+    output), the reference run's output^2, non-finite output elements."""
     rows = []
-    for (_, record), (_, f32_record) in zip(sites(trace), sites(f32_trace), strict=True):
+    for (_, record), (_, ref_record) in zip(sites(trace), sites(reference_trace), strict=True):
         (output,) = record["output"]  # [B, L, D]
-        (f32_output,) = f32_record["output"]
+        (ref_output,) = ref_record["output"]
         output = output[:, :num_tokens].astype(jnp.float32)
-        f32_output = f32_output[:, :num_tokens].astype(jnp.float32)
+        ref_output = ref_output[:, :num_tokens].astype(jnp.float32)
         rows.append(
             jnp.stack([
                 jnp.sum(record["error_sq"][0][:, :num_tokens]),
                 jnp.sum(record["exact_sq"][0][:, :num_tokens]),
-                jnp.sum(jnp.square(output - f32_output)),
-                jnp.sum(jnp.square(f32_output)),
+                jnp.sum(jnp.square(output - ref_output)),
+                jnp.sum(jnp.square(ref_output)),
                 jnp.sum(record["nonfinite"][0][:, :num_tokens]).astype(jnp.float32),
             ])
         )  # fmt: skip
@@ -152,6 +173,7 @@ def summarize(tokens: dict[str, np.ndarray], reference_perplexity: float) -> dic
         "logit_cosine_mean": float(np.mean(tokens["cosine"], dtype=np.float64)),
         "logit_cosine_min": float(np.min(tokens["cosine"])),
         "nonfinite_logits": int(np.sum(tokens["nonfinite"])),
+        "kl_to_float32": float(np.mean(tokens["kl_to_float32"], dtype=np.float64)),
     }
 
 
@@ -186,12 +208,33 @@ def greedy_agreement(reference: list[list[int]], generated: list[list[int]]) -> 
     all; the caller appends the stop token to completions that stopped)."""
     matched = [_common_prefix(ref, gen) for ref, gen in zip(reference, generated, strict=True)]
     lengths = [len(ref) for ref in reference]
+    stderr = float(np.std(matched, ddof=1) / np.sqrt(len(matched))) if len(matched) > 1 else 0.0
     return {
         "greedy_matched_mean": float(np.mean(matched)),
+        "greedy_matched_stderr": stderr,
         "greedy_matched_fraction": float(sum(matched) / max(sum(lengths), 1)),
         "greedy_identical": float(np.mean([m == n for m, n in zip(matched, lengths, strict=True)])),
         "greedy_matched": matched,
     }
+
+
+def relative_to_floor(numbers: dict[str, Any], floor: dict[str, Any]) -> dict[str, float]:
+    """A method's KL and top-1 disagreement as multiples of the compute floor's, and its top-1
+    agreement's shortfall from the floor's (see the module doc)."""
+    return {
+        "kl_mean_vs_floor": _ratio(numbers["kl_mean"], floor["kl_mean"]),
+        "top1_disagreement_vs_floor": _ratio(
+            1.0 - numbers["top1_agreement"], 1.0 - floor["top1_agreement"]
+        ),
+        "top1_agreement_below_floor": floor["top1_agreement"] - numbers["top1_agreement"],
+    }
+
+
+def _ratio(value: float, floor: float) -> float:
+    """value / floor; 0 when both are 0, Inf when only the floor is (a zero floor)."""
+    if floor == 0:
+        return 0.0 if value == 0 else math.inf
+    return value / floor
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
