@@ -25,8 +25,8 @@ below the size gate (decode steps, short prompts) is computed with the original 
 goes to `psum` exactly as without folding (rounding the rotated weights to bf16 alone moves
 the model about as far as bf16 arithmetic does, so the gated path keeps the originals). The
 choice is made per call site from the message's static shape. The cost is memory: the two
-row-parallel weights twice (+72 MB for 270M in bf16, about a third more for the larger
-sizes); `fold_rotation=False` on the all-reduce keeps one copy and rotates inside it.
+row-parallel weights twice (+71 MB for 270M in bf16; a quarter to a third more for the
+larger sizes); `fold_rotation=False` on the all-reduce keeps one copy and rotates inside it.
 
 The Flax modules below are written for one device's shard (their sizes are the local ones) and
 run inside `jax.shard_map`; `TensorParallelGemma3` wraps them in `jit(shard_map(...))`:

@@ -381,6 +381,19 @@ def test_block_hadamard_is_the_orthonormal_hadamard_transform(block: int):
     np.testing.assert_allclose(np.asarray(block_hadamard(jnp.asarray(x))), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", ["dense", "kronecker"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_block_hadamard_of_16_bit_values_is_exact_to_f32(block: int, dtype, form: str):
+    # Products of 16-bit values by an exact 16-bit matrix, summed in f32 (B = 16, 64), or the
+    # values cast to f32 (B = 128: 1/sqrt(128) is not a 16-bit number): f32 accuracy either way.
+    x = np.random.default_rng(block).standard_normal((4, block)).astype(dtype)
+    got = block_hadamard(jnp.asarray(x), form=form)
+    assert got.dtype == jnp.float32
+    want = x.astype(np.float64) @ sylvester(block) / np.sqrt(block)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
 def test_block_hadamard_is_its_own_inverse_and_spreads_outliers():
     x = np.random.default_rng(0).standard_normal((4, 256)).astype(np.float32)
     np.testing.assert_allclose(np.asarray(block_hadamard(block_hadamard(x))), x, atol=1e-5)

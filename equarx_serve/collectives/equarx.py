@@ -227,12 +227,12 @@ class EquarxInt8(RingAllReduce):
         rotation = self.input_rotation
         if rotation is None:
             return self.ring_reduce(x, axis_name, axis_size, x.dtype)
-        # Rotate the flat message in f32, zero-padded to whole rotation blocks.
-        flat = x.reshape(-1).astype(jnp.float32)
+        # Rotate the flat message, zero-padded to whole rotation blocks, into f32.
+        flat = x.reshape(-1)
         padded = -(-flat.size // rotation.block) * rotation.block
-        rotated = rotation.apply(jnp.pad(flat, (0, padded - flat.size)))
-        reduced = rotation.apply(self.ring_reduce(rotated, axis_name, axis_size, jnp.float32))
-        return reduced[: x.size].reshape(x.shape).astype(x.dtype)
+        rotated = rotation.apply(jnp.pad(flat, (0, padded - flat.size)), out_dtype=jnp.float32)
+        reduced = self.ring_reduce(rotated, axis_name, axis_size, jnp.float32)
+        return rotation.apply(reduced, out_dtype=x.dtype)[: x.size].reshape(x.shape)
 
     def reduce_rotated_input(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
         """The sum of inputs already rotated along their last axis by `input_rotation`, rotated
@@ -242,7 +242,7 @@ class EquarxInt8(RingAllReduce):
             reduced = lax.psum(x.astype(jnp.float32), axis_name)
         else:
             reduced = self.ring_reduce(x, axis_name, axis_size, jnp.float32)
-        return self.input_rotation.apply(reduced).astype(x.dtype)
+        return self.input_rotation.apply(reduced, out_dtype=x.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
