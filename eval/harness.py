@@ -217,11 +217,14 @@ def _score_windows(
             scores[label].seconds += time.perf_counter() - started
             return outputs
 
-        # Peak memory: the reference's and the floor's logits (laid out over the devices), their
-        # traces, and one other method's replicated logits at a time.
+        # Peak memory: the batch's baseline (the reference's logits and log-probabilities, the
+        # floor's log-probabilities, laid out over the devices), the reference's trace, and one
+        # other method's logits (replicated, then laid out) and log-probabilities at a time.
         first = {label: run_one(label) for label in (REFERENCE, FLOOR)}
         reference_logits, reference_trace = first[REFERENCE]
-        float32_logits = first[FLOOR][0]
+        started = time.perf_counter()
+        base = metrics.baseline(reference_logits, first[FLOOR][0])
+        scores[REFERENCE].seconds += time.perf_counter() - started
         bucket = reference_logits.shape[1]  # the padded length
         targets = np.zeros((len(batch), bucket), np.int32)  # beyond num_scored: not scored
         targets[:, :num_scored] = batch[:, 1:]
@@ -230,16 +233,14 @@ def _score_windows(
         for label in run.engines:
             logits, trace = first.pop(label, None) or run_one(label)
             started = time.perf_counter()
-            token_metrics = metrics.token_metrics(reference_logits, logits, targets)
-            token_metrics["kl_to_float32"] = metrics.kl_divergence(float32_logits, logits)
             scores[label].add(
-                token_metrics,
+                metrics.token_metrics(base, logits, targets),
                 num_scored,
                 metrics.site_errors(trace, reference_trace, num_tokens=seq_len),
             )
             scores[label].seconds += time.perf_counter() - started
             del logits, trace
-        del reference_logits, reference_trace, float32_logits
+        del base, reference_logits, reference_trace
         if progress:
             progress(len(batch), len(windows))
     return scores, site_names

@@ -29,6 +29,7 @@ Against the compute floor (the float32 model's numbers, `relative_to_floor`):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Iterator
@@ -61,19 +62,47 @@ def split_positions(x: jax.Array, mesh: Mesh, axis_name: str) -> jax.Array:
     return jax.device_put(x, NamedSharding(mesh, P(None, axis_name)))
 
 
-def token_metrics(
-    reference_logits: jax.Array, logits: jax.Array, targets: jax.Array
-) -> dict[str, jax.Array]:
-    """reference_logits, logits [B, L, V], targets [B, L] (the token after each position) ->
-    per position [B, L]: nll, kl, top1, top5, max_abs, mean_abs, cosine and nonfinite (the
-    count of non-finite logits). The caller drops the positions it does not score.
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logits", "log_probs", "top_k", "float32_log_probs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """What every method of one batch is scored against, computed once per batch (`baseline`):
+    the reference's logits [B, L, V], log-probabilities [B, L, V] f32 and top-K tokens
+    [B, L, K], and the float32 model's log-probabilities [B, L, V] f32."""
 
-    Three programs, not one: fused into one, XLA:CPU recomputes the [B, L, V] log-softmaxes
-    inside every consumer (measured: 50 s instead of 7 s for [2, 511, 262144])."""
+    logits: jax.Array
+    log_probs: jax.Array
+    top_k: jax.Array
+    float32_log_probs: jax.Array
+
+
+def baseline(reference_logits: jax.Array, float32_logits: jax.Array) -> Baseline:
+    """The reference's and the float32 model's logits [B, L, V] -> the batch's `Baseline`."""
+    return Baseline(
+        logits=reference_logits,
+        log_probs=log_probs(reference_logits),
+        top_k=_top_k(reference_logits),
+        float32_log_probs=log_probs(float32_logits),
+    )
+
+
+def token_metrics(base: Baseline, logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """A method's logits [B, L, V] against the batch's `Baseline`, targets [B, L] (the token
+    after each position) -> per position [B, L]: nll, kl, kl_to_float32, top1, top5, max_abs,
+    mean_abs, cosine and nonfinite (the count of non-finite logits). The caller drops the
+    positions it does not score.
+
+    Separate programs, each log-softmax and top-k materialized once: fused into one, XLA:CPU
+    recomputes the [B, L, V] log-softmaxes inside every consumer (measured: 50 s instead of 7 s
+    for [2, 511, 262144]); the baseline's are shared by every method of the batch."""
+    log_q = log_probs(logits)
     return {
-        **_distribution_metrics(reference_logits, logits, targets),
-        **_top_k_metrics(reference_logits, logits),
-        **_logit_errors(reference_logits, logits),
+        **_distribution_metrics(base.log_probs, base.float32_log_probs, log_q, targets),
+        **_top_k_metrics(base.top_k, _top_k(logits)),
+        **_logit_errors(base.logits, logits),
     }
 
 
@@ -82,30 +111,29 @@ def _kl(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
 
 
 @jax.jit
+def log_probs(logits: jax.Array) -> jax.Array:
+    """[B, L, V] logits -> f32 log-probabilities."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+@jax.jit
+def _top_k(logits: jax.Array) -> jax.Array:
+    return jax.lax.top_k(logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
+
+
+@jax.jit
 def _distribution_metrics(
-    p_logits: jax.Array, q_logits: jax.Array, targets: jax.Array
+    log_p: jax.Array, log_f: jax.Array, log_q: jax.Array, targets: jax.Array
 ) -> dict[str, jax.Array]:
-    log_p = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    log_q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
     return {
         "nll": -jnp.take_along_axis(log_q, targets[..., None], axis=-1)[..., 0],  # [B, T]
         "kl": _kl(log_p, log_q),  # [B, T]
+        "kl_to_float32": _kl(log_f, log_q),  # [B, T]
     }
 
 
 @jax.jit
-def kl_divergence(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
-    """logits [B, L, V] of two runs -> KL(p || q) per position [B, L] (the harness: a method's
-    distance from the float32 model, `kl_to_float32`)."""
-    log_p = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    log_q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    return _kl(log_p, log_q)
-
-
-@jax.jit
-def _top_k_metrics(p_logits: jax.Array, q_logits: jax.Array) -> dict[str, jax.Array]:
-    top_p = jax.lax.top_k(p_logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
-    top_q = jax.lax.top_k(q_logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
+def _top_k_metrics(top_p: jax.Array, top_q: jax.Array) -> dict[str, jax.Array]:
     shared = jnp.any(top_p[..., :, None] == top_q[..., None, :], axis=-1)  # [B, T, K]
     return {
         "top1": (top_p[..., 0] == top_q[..., 0]).astype(jnp.float32),

@@ -95,11 +95,14 @@ def test_token_metrics_match_numpy():
     rng = np.random.default_rng(0)
     reference = rng.normal(size=(2, 4, 40)).astype(np.float32)
     method = reference + rng.normal(scale=0.3, size=reference.shape).astype(np.float32)
+    float32 = reference + rng.normal(scale=0.1, size=reference.shape).astype(np.float32)
     targets = rng.integers(0, 40, size=(2, 4)).astype(np.int32)
-    got = metrics.token_metrics(reference, method, targets)
+    got = metrics.token_metrics(metrics.baseline(reference, float32), method, targets)
 
-    log_p, log_q = _log_softmax(reference), _log_softmax(method)
+    log_p, log_q, log_f = _log_softmax(reference), _log_softmax(method), _log_softmax(float32)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    kl_to_float32 = (np.exp(log_f) * (log_f - log_q)).sum(-1)
+    np.testing.assert_allclose(got["kl_to_float32"], kl_to_float32, rtol=1e-4, atol=1e-6)
     nll = -np.take_along_axis(log_q, targets[..., None], -1)[..., 0]
     top1 = reference.argmax(-1) == method.argmax(-1)
     np.testing.assert_allclose(got["kl"], kl, rtol=1e-4, atol=1e-6)
@@ -111,13 +114,14 @@ def test_token_metrics_match_numpy():
 
 def test_identical_logits_have_no_error_and_nan_is_counted():
     logits = np.random.default_rng(1).normal(size=(1, 3, 16)).astype(np.float32)
-    got = metrics.token_metrics(logits, logits, np.zeros((1, 3), np.int32))
+    base = metrics.baseline(logits, logits)
+    got = metrics.token_metrics(base, logits, np.zeros((1, 3), np.int32))
     np.testing.assert_allclose(got["kl"], 0.0, atol=1e-6)
     np.testing.assert_array_equal(got["top5"], 1.0)
     np.testing.assert_allclose(got["cosine"], 1.0, rtol=1e-6)
     broken = logits.copy()
     broken[0, 1, 3] = np.nan
-    got = metrics.token_metrics(logits, broken, np.zeros((1, 3), np.int32))
+    got = metrics.token_metrics(base, broken, np.zeros((1, 3), np.int32))
     np.testing.assert_array_equal(got["nonfinite"], [[0, 1, 0]])
 
 
