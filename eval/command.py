@@ -8,7 +8,7 @@
 
 Runs in one process on TP host CPU devices. The reference (`psum`, BF16 model) and the
 compute floor (the same model in float32, `psum`) always run; `--methods` adds to them
-(default: naive-int8, equarx-int8; each NAME or NAME:key=value,...). Quantized methods run
+(default: equarx-int8; each NAME or NAME:key=value,...). Quantized methods run
 with their size gate off (min_size_bytes=0) unless the spec sets it. Prints the table;
 --json, --report (Markdown) and --plot (PNG, per-layer all-reduce error) write the rest
 (default: all three under eval-results/). --check FILE also evaluates the methods the file

@@ -51,7 +51,9 @@ FLOOR = "compute_floor"
 FLOOR_DTYPE = "float32"
 # psum-f32 and ring are left out: on XLA:CPU both give psum's bits at TP = 2 (XLA sums a bf16
 # all-reduce in f32; ring sends bf16 words and sums in f32), a KL of 4e-6 at TP = 4 (README).
-DEFAULT_METHODS = ("naive-int8", "equarx-int8")
+# naive-int8 too: each method is another forward pass over the corpus and greedy decode, and
+# the strawman's numbers do not move (the quick gate CI runs still checks that it stays bad).
+DEFAULT_METHODS = ("equarx-int8",)
 DEFAULT_SEQ_LEN = 512
 DEFAULT_NUM_SEQS = 16
 
