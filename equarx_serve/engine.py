@@ -10,6 +10,12 @@ the parameters once, and right-pads every batch to a length BUCKET: a power of t
 `MIN_BUCKET` up to `max_length` (the last bucket is `max_length` itself), so that new prompt
 lengths reuse a compiled program. Programs are compiled ahead of time and cached per
 (bucket, batch size, last_only, capture); `compile` exposes them (the HLO gives the wire bytes).
+
+Parameters: `checkpoint_params` are the weights as loaded, placed on the mesh; `params` are the
+ones the model runs on: the same arrays, plus rotated copies of the two row-parallel weights
+when the all-reduce's rotation is folded (`models.gemma3`). Engines made by `with_all_reduce`
+share the placed checkpoint and one set of rotated copies per rotation, so an engine per method
+costs no memory unless its rotation is new.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.collectives.hadamard import HadamardRotation
 from models.config import DEFAULT_MAX_LENGTH, Gemma3Config, get_config
 from models.gemma3 import AXIS, TensorParallelGemma3, init_params, mask_from_lengths
 
@@ -113,6 +120,7 @@ class PrefillEngine:
         dtype: jnp.dtype | None = None,
         max_length: int = DEFAULT_MAX_LENGTH,
         _sharded: bool = False,
+        _folds: dict[HadamardRotation, Params] | None = None,
     ):
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tp must be an int >= 1, got {tp!r}")
@@ -131,7 +139,9 @@ class PrefillEngine:
         # Raises ValueError when the model cannot be split tp ways, or for a bad all-reduce.
         self.model = TensorParallelGemma3(config, mesh, get_all_reduce(all_reduce))
         self.all_reduce = self.model.all_reduce
-        self.params = params if _sharded else self._shard(params, dtype)
+        self.checkpoint_params = params if _sharded else self._shard(params, dtype)
+        self._folds = {} if _folds is None else _folds  # shared with `with_all_reduce` engines
+        self.params = self._model_params()
         self.dtype = jax.tree.leaves(self.params)[0].dtype
         self._replicated = NamedSharding(mesh, P())
         self._programs: dict[tuple[int, int, bool, bool], CompiledPrefill] = {}
@@ -148,18 +158,29 @@ class PrefillEngine:
                 host = host.astype(dtype)
             return _global_array(host, sharding)
 
-        return jax.tree.map(place, params, self.model.param_shardings())
+        return jax.tree.map(place, params, self.model.checkpoint_shardings())
+
+    def _model_params(self) -> Params:
+        """The parameters the model runs on: the checkpoint's, or its folded copy (made once
+        per rotation and shared)."""
+        rotation = self.model.rotation
+        if rotation is None:
+            return self.checkpoint_params
+        if rotation not in self._folds:
+            self._folds[rotation] = self.model.fold_params(self.checkpoint_params)
+        return self._folds[rotation]
 
     def with_all_reduce(self, all_reduce: str | AllReduce) -> PrefillEngine:
         """The same model and (already sharded) parameters on another all-reduce."""
         engine = PrefillEngine(
             self.config,
-            self.params,
+            self.checkpoint_params,
             tp=self.tp,
             all_reduce=all_reduce,
             mesh=self.mesh,
             max_length=self.max_length,
             _sharded=True,
+            _folds=self._folds,
         )
         engine.tokenizer, engine.info = self.tokenizer, dict(self.info)
         return engine

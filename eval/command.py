@@ -1,17 +1,19 @@
 """`equarx-serve eval`: quality of every all-reduce against BF16 `psum`, and a regression gate.
 
-    equarx-serve eval [--model gemma3-270m] [--tp 2] [--methods ...] [--text PATH]
+    equarx-serve eval [--model gemma3-270m] [--tp 2] [--methods ...]
+                      [--corpus python-reference | --text PATH]
                       [--seq-len 512] [--num-seqs 16] [--batch-size B]
-                      [--greedy-prompts 8] [--greedy-tokens 32]
+                      [--greedy-prompts 32] [--greedy-tokens 32]
                       [--json PATH] [--report PATH] [--plot PATH] [--check THRESHOLDS]
 
 Runs in one process on TP host CPU devices. The reference (`psum`, BF16 model) and the
-`psum-f32` floor always run; `--methods` adds to them (default: ring, naive-int8,
-equarx-int8; each NAME or NAME:key=value,...). Quantized methods run with their size gate
-off (min_size_bytes=0) unless the spec sets it. Prints the table; --json, --report (Markdown)
-and --plot (PNG, per-layer all-reduce error) write the rest (default: all three under
-eval-results/). --check FILE also evaluates the methods the file names and exits 1 when a
-limit fails (see eval/gate.py; eval/thresholds.toml is the repo's gate for the default run).
+compute floor (the same model in float32, `psum`) always run; `--methods` adds to them
+(default: equarx-int8; each NAME or NAME:key=value,...). Quantized methods run
+with their size gate off (min_size_bytes=0) unless the spec sets it. Prints the table;
+--json, --report (Markdown) and --plot (PNG, per-layer all-reduce error) write the rest
+(default: all three under eval-results/). --check FILE also evaluates the methods the file
+names and exits 1 when a limit fails (see eval/gate.py; eval/thresholds.toml is the repo's
+gate for the default run).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
 from equarx_serve.model_args import add_model_arguments, check_model_arguments
 from eval import harness
+from eval.corpus import CORPORA, DEFAULT_CORPUS
 from models.config import DEFAULT_MAX_LENGTH
 
 OUT_DIR = Path("eval-results")
@@ -39,16 +42,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[parse_method(m) for m in harness.DEFAULT_METHODS],
         metavar="METHOD",
         help="all-reduces, NAME or NAME:key=value,... (default: "
-        f"{' '.join(harness.DEFAULT_METHODS)}; psum and psum-f32 always run)",
+        f"{' '.join(harness.DEFAULT_METHODS)}; the psum reference and the float32 compute "
+        "floor always run)",
     )
     data = parser.add_argument_group("data")
-    data.add_argument(
+    text = data.add_mutually_exclusive_group()
+    text.add_argument(
+        "--corpus",
+        choices=CORPORA,
+        default=DEFAULT_CORPUS,
+        help="a built-in corpus: CPython's reference topics (English technical prose) or its "
+        "standard library's source code (default: %(default)s; see eval/corpus.py)",
+    )
+    text.add_argument(
         "--text",
         type=Path,
         metavar="PATH",
-        help="a text file, a JSON-lines file "
-        '({"text": ...} a line) or a folder of them (default: CPython\'s '
-        "reference topics, see eval/corpus.py)",
+        help='your own text: a text file, a JSON-lines file ({"text": ...} a line) or a '
+        "folder of them",
     )
     data.add_argument(
         "--seq-len",
@@ -126,6 +137,7 @@ def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harn
         model=args.model,
         tp=args.tp,
         methods=tuple(methods),
+        corpus=args.corpus,
         text=args.text,
         seq_len=args.seq_len,
         num_seqs=args.num_seqs,

@@ -1,18 +1,25 @@
-"""Evaluation text: the default corpus, a user's own, and its cut into fixed windows.
+"""Evaluation text: the built-in corpora, a user's own, and their cut into fixed windows.
 
-The default corpus is CPython's own reference documentation, `pydoc_data.topics` (the text
-`help("if")` prints: ~490 KB of English technical prose on the language, ~118K Gemma tokens).
-It ships with every CPython, so a fresh machine has it without a download, and it is fixed for
-a given Python version; its SHA-256 goes into every report, so runs on different Pythons are
-never silently compared. A user's text comes from `--text PATH`: a text file (one document), a
-JSON-lines file (one document per line, in its "text" field), or a folder of such files
-(`*.txt`, `*.md`, `*.jsonl`, recursively, in sorted order).
+Two built-in corpora, two different kinds of text, both shipped with every CPython, so a fresh
+machine has them without a download, and both fixed for a given Python version (their SHA-256
+goes into every report, so runs on different Pythons are never silently compared):
+  python-reference  (the default) CPython's reference documentation, `pydoc_data.topics`
+                    (the text `help("if")` prints): ~490 KB of English technical prose,
+                    ~118K Gemma tokens.
+  python-stdlib     the source code of the standard library's top-level modules
+                    (`<stdlib>/*.py`, sorted by name; no packages, no tests): ~4.6 MB of
+                    Python code with its comments and docstrings.
+A user's text comes from `--text PATH`: a text file (one document), a JSON-lines file (one
+document per line, in its "text" field), or a folder of such files (`*.txt`, `*.md`,
+`*.jsonl`, recursively, in sorted order).
 
 Windows (`make_windows`): the documents are tokenized without BOS and concatenated in order,
 each followed by EOS; the stream is cut into consecutive, non-overlapping windows of
 `seq_len - 1` tokens and each gets BOS in front, so every window is a full `seq_len` tokens
 (no padding) and starts the way Gemma's training sequences do. `num_seqs` windows are taken
 evenly spaced over the stream (all of them if there are fewer), the same for every method.
+Greedy-decoding prompts (`greedy_prompts`) are BOS + stream tokens from their own evenly
+spaced places, so that many prompts do not repeat the windows' starts.
 """
 
 from __future__ import annotations
@@ -21,12 +28,15 @@ import dataclasses
 import hashlib
 import json
 import platform
+import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 DEFAULT_CORPUS = "python-reference"
+STDLIB_CORPUS = "python-stdlib"
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIX = ".jsonl"
 
@@ -68,13 +78,44 @@ class Corpus:
         }
 
 
-def default_corpus() -> Corpus:
+def _python_reference() -> Corpus:
     """CPython's reference topics (`pydoc_data.topics`), in sorted topic order."""
     from pydoc_data.topics import topics
 
     documents = tuple(topics[key] for key in sorted(topics))
     return Corpus(f"{DEFAULT_CORPUS} (pydoc_data.topics, Python {platform.python_version()})",
                   documents)  # fmt: skip
+
+
+def _python_stdlib() -> Corpus:
+    """The standard library's top-level modules' source, one document per file, by name."""
+    stdlib = Path(sysconfig.get_path("stdlib"))
+    files = sorted(stdlib.glob("*.py"))
+    if not files:
+        raise ValueError(
+            f"{STDLIB_CORPUS}: no *.py files in {stdlib} (this Python ships its standard "
+            "library compiled only); use --text"
+        )
+    documents = tuple(f.read_text(encoding="utf-8") for f in files)
+    return Corpus(f"{STDLIB_CORPUS} ({stdlib}/*.py, Python {platform.python_version()})",
+                  documents)  # fmt: skip
+
+
+CORPORA: dict[str, Callable[[], Corpus]] = {
+    DEFAULT_CORPUS: _python_reference,
+    STDLIB_CORPUS: _python_stdlib,
+}
+
+
+def named_corpus(name: str) -> Corpus:
+    """A built-in corpus by name (`CORPORA`); ValueError naming the valid ones."""
+    if name not in CORPORA:
+        raise ValueError(f"unknown corpus {name!r}; built in: {', '.join(CORPORA)}")
+    return CORPORA[name]()
+
+
+def default_corpus() -> Corpus:
+    return named_corpus(DEFAULT_CORPUS)
 
 
 def _read_jsonl(path: Path) -> list[str]:
@@ -151,7 +192,12 @@ def make_windows(stream: np.ndarray, bos_id: int, *, seq_len: int, num_seqs: int
     return windows
 
 
-def prompts_from_windows(windows: np.ndarray, prompt_len: int, count: int) -> list[list[int]]:
-    """The first `prompt_len` tokens of `count` windows, evenly spaced: greedy-decoding prompts."""
-    rows = np.linspace(0, len(windows) - 1, min(count, len(windows))).round().astype(int)
-    return [windows[row, :prompt_len].tolist() for row in sorted(set(rows.tolist()))]
+def greedy_prompts(stream: np.ndarray, bos_id: int, prompt_len: int, count: int) -> list[list[int]]:
+    """`count` prompts of BOS + `prompt_len - 1` stream tokens, non-overlapping and evenly
+    spaced over the stream (fewer when it is shorter): greedy-decoding prompts."""
+    if prompt_len < 2:
+        raise ValueError(f"prompt_len must be >= 2 (BOS and a token), got {prompt_len}")
+    body = prompt_len - 1
+    available = len(stream) // body
+    starts = np.linspace(0, available - 1, min(count, available)).round().astype(int) * body
+    return [[bos_id, *stream[start : start + body].tolist()] for start in starts]

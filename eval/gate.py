@@ -2,15 +2,18 @@
 
 A thresholds file names methods (the labels `equarx-serve eval` runs them under) and, for
 each, limits on the numbers of its report, spelled `max_<number>` or `min_<number>`; the
-table `[all]` applies to every method in the report:
+table `[all]` applies to every method in the report, `[compute_floor]` to the float32 model's
+numbers (the floor itself). Limits can be relative to the floor (`*_vs_floor`,
+`top1_agreement_below_floor`, see `eval.metrics`):
 
     [all]
     max_nonfinite = 0
 
     [methods."equarx-int8"]
-    max_ppl_rel_change = 0.005   # perplexity at most 0.5% above the reference's
-    min_top1_agreement = 0.99
-    max_kl_mean = 0.002
+    max_ppl_rel_change = 0.003        # perplexity within 0.3% of the reference's
+    min_ppl_rel_change = -0.003
+    max_kl_mean_vs_floor = 2.0        # at most twice the KL bf16 arithmetic alone makes
+    max_top1_agreement_below_floor = 0.01
 
 `equarx-serve eval --check FILE` evaluates every method the file names (besides the ones on
 the command line), prints each check with its measured value and limit, and exits 1 when
@@ -35,6 +38,9 @@ CHECKABLE = (
     "kl_p99",
     "kl_max",
     "top1_agreement",
+    "kl_mean_vs_floor",
+    "top1_disagreement_vs_floor",
+    "top1_agreement_below_floor",
     "top5_overlap",
     "logit_max_abs_error",
     "logit_mean_abs_error",
@@ -46,15 +52,17 @@ CHECKABLE = (
     "born_error_max",
     "final_layer_error",
     "greedy_matched_mean",
+    "greedy_matched_stderr",
     "greedy_matched_fraction",
     "greedy_identical",
 )
 ALL = "all"
+FLOOR = "compute_floor"  # the table of limits on the floor's own numbers
 
 
 @dataclasses.dataclass(frozen=True)
 class Limit:
-    method: str  # a method label, or ALL
+    method: str  # a method label, ALL or FLOOR
     number: str  # a key of CHECKABLE
     bound: str  # "max" | "min"
     value: float
@@ -109,10 +117,13 @@ def load_thresholds(path: Path) -> list[Limit]:
         raise ValueError(f"{path}: no such thresholds file") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: not valid TOML ({e})") from None
-    unknown = sorted(set(data) - {ALL, "methods"})
+    unknown = sorted(set(data) - {ALL, FLOOR, "methods"})
     if unknown:
-        raise ValueError(f'{path}: unknown table(s) {unknown}; use [all] and [methods."NAME"]')
+        raise ValueError(
+            f'{path}: unknown table(s) {unknown}; use [all], [{FLOOR}] and [methods."NAME"]'
+        )
     limits = _parse_limits(data.get(ALL, {}), ALL, path)
+    limits += _parse_limits(data.get(FLOOR, {}), FLOOR, path)
     methods = data.get("methods", {})
     if not isinstance(methods, dict):
         raise ValueError(f'{path}: methods must be tables, [methods."NAME"]')
@@ -125,15 +136,20 @@ def load_thresholds(path: Path) -> list[Limit]:
 
 def methods_named(limits: list[Limit]) -> list[str]:
     """The method labels the limits need evaluated, in file order."""
-    return list(dict.fromkeys(limit.method for limit in limits if limit.method != ALL))
+    named = (limit.method for limit in limits if limit.method not in (ALL, FLOOR))
+    return list(dict.fromkeys(named))
 
 
 def check(report: dict[str, Any], limits: list[Limit]) -> list[Check]:
     """Every limit against the report (`[all]` limits once per method in the report)."""
     checks = []
     for limit in limits:
-        methods = list(report["methods"]) if limit.method == ALL else [limit.method]
-        for method in methods:
-            value = report["methods"].get(method, {}).get(limit.number)
+        if limit.method == FLOOR:
+            numbered = [(FLOOR, report.get(FLOOR, {}))]
+        else:
+            methods = list(report["methods"]) if limit.method == ALL else [limit.method]
+            numbered = [(method, report["methods"].get(method, {})) for method in methods]
+        for method, numbers in numbered:
+            value = numbers.get(limit.number)
             checks.append(Check(method, limit, None if value is None else float(value)))
     return checks

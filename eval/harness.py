@@ -1,15 +1,22 @@
-"""The evaluation run: every method's forward pass against the BF16 `psum` reference.
+"""The evaluation run: every method's forward pass against the BF16 `psum` reference, next to
+the compute floor.
 
     config = EvalConfig(model="gemma3-270m", tp=2, methods=DEFAULT_METHODS)
-    report = run_eval(config)  # {"reference": "psum", "methods": {...}, "settings": {...}}
+    report = run_eval(config)  # {"reference": "psum", "compute_floor": {...}, "methods": {...},
+                               #  "settings": {...}}
 
-The model is loaded and sharded once; every method is an engine on the same parameters
-(`PrefillEngine.with_all_reduce`). The corpus is cut into windows once (`eval.corpus`), and
-for each batch of windows the reference and the `psum-f32` floor run once, then every other
-method; each method's logits are scored against the reference's and its all-reduce outputs
-against the floor's (`eval.metrics`), then dropped, so memory holds one batch's logits for
-three runs, never a method's whole corpus. Greedy agreement decodes the same prompts with
-every method (`equarx_serve.decode.Generator`, KV cache, the method on every all-reduce).
+The model is loaded and sharded once in bfloat16; every method is an engine on the same
+parameters (`PrefillEngine.with_all_reduce`). The compute floor is the same model loaded in
+float32 and reduced with `psum`: scored against the reference like a method, it measures the
+difference bf16 arithmetic alone makes, the noise a user of the bf16 model already accepts;
+every method's KL and top-1 disagreement are also given as multiples of the floor's
+(`eval.metrics.relative_to_floor`). The corpus is cut into windows once (`eval.corpus`), and
+for each batch of windows the reference runs once, then the floor and every method; their
+logits are scored against the reference's, their all-reduce outputs against the reference's
+at the same site (`eval.metrics`), then dropped, so memory holds one batch's logits for two
+runs, never a method's whole corpus. Greedy agreement decodes the same prompts (each from its
+own place in the corpus) with every engine (`equarx_serve.decode.Generator`, KV cache, the
+method on every all-reduce).
 
 Quantized methods run with their size gate off (`min_size_bytes=0`) unless the method spec
 sets it: the harness measures what the quantized collective does to every reduction, the
@@ -32,13 +39,21 @@ import numpy as np
 
 from equarx_serve.collectives.registry import MethodSpec, get_all_reduce, parse_method
 from equarx_serve.model_args import DEFAULT_MODEL
+from eval.corpus import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
     from equarx_serve.collectives import AllReduce
 
 REFERENCE = "psum"
-FLOOR = "psum-f32"
-DEFAULT_METHODS = ("psum", "psum-f32", "ring", "naive-int8", "equarx-int8")
+# The compute floor: the same model computed in float32 (float32 parameters, `psum`), scored
+# against the BF16 reference like a method: the difference bf16 arithmetic alone makes.
+FLOOR = "compute_floor"
+FLOOR_DTYPE = "float32"
+# psum-f32 and ring are left out: on XLA:CPU both give psum's bits at TP = 2 (XLA sums a bf16
+# all-reduce in f32; ring sends bf16 words and sums in f32), a KL of 4e-6 at TP = 4 (README).
+# naive-int8 too: each method is another forward pass over the corpus and greedy decode, and
+# the strawman's numbers do not move (the quick gate CI runs still checks that it stays bad).
+DEFAULT_METHODS = ("equarx-int8",)
 DEFAULT_SEQ_LEN = 512
 DEFAULT_NUM_SEQS = 16
 
@@ -51,7 +66,9 @@ def default_batch_size(tp: int) -> int:
     return 2 if tp <= 2 else 1
 
 
-DEFAULT_GREEDY_PROMPTS = 8
+# Greedy agreement: tokens matched before the first divergence is a noisy statistic per prompt
+# (one near-tie ends it), so many prompts, each from its own place in the corpus.
+DEFAULT_GREEDY_PROMPTS = 32
 DEFAULT_GREEDY_PROMPT_LEN = 64
 DEFAULT_GREEDY_TOKENS = 32
 VERSIONED_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "gemma", "equarx-serve")
@@ -59,12 +76,14 @@ VERSIONED_PACKAGES = ("jax", "jaxlib", "flax", "numpy", "gemma", "equarx-serve")
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """What `run_eval` measures. `methods` always gains the reference and the floor."""
+    """What `run_eval` measures. `methods` always gains the reference, first; the compute
+    floor always runs."""
 
     model: str = DEFAULT_MODEL
     tp: int = 2
     methods: tuple[MethodSpec, ...] = tuple(parse_method(m) for m in DEFAULT_METHODS)
-    text: Path | None = None  # None: the default corpus
+    corpus: str = DEFAULT_CORPUS  # a built-in corpus (eval.corpus.CORPORA), unless `text`
+    text: Path | None = None
     seq_len: int = DEFAULT_SEQ_LEN
     num_seqs: int = DEFAULT_NUM_SEQS
     batch_size: int | None = None  # None: default_batch_size(tp)
@@ -75,10 +94,8 @@ class EvalConfig:
     tokenizer: Path | None = None
 
     def all_methods(self) -> tuple[MethodSpec, ...]:
-        """The reference, the floor, then the rest in the order given (each once)."""
-        specs = [parse_method(REFERENCE), parse_method(FLOOR)]
-        specs += [m for m in self.methods if m.label not in (REFERENCE, FLOOR)]
-        return tuple(specs)
+        """The reference, then the rest in the order given (each once)."""
+        return (parse_method(REFERENCE), *(m for m in self.methods if m.label != REFERENCE))
 
 
 def _with_gate_off(spec: MethodSpec) -> AllReduce:
@@ -106,6 +123,7 @@ class _MethodScores:
     def __init__(self) -> None:
         self.tokens: dict[str, list[np.ndarray]] = {}
         self.site_sums: np.ndarray | None = None
+        self.seconds = 0.0
 
     def add(self, token_metrics: dict[str, Any], num_scored: int, site_sums: Any) -> None:
         for key, value in token_metrics.items():
@@ -117,6 +135,144 @@ class _MethodScores:
     def per_token(self) -> dict[str, np.ndarray]:
         return {key: np.concatenate(values) for key, values in self.tokens.items()}
 
+    def summary(self, site_names: list[str], reference_ppl: float) -> dict[str, Any]:
+        from eval import metrics
+
+        per_site = metrics.summarize_sites(site_names, self.site_sums)
+        summary = metrics.summarize(self.per_token(), reference_ppl)
+        summary["nonfinite_all_reduce"] = sum(site["nonfinite"] for site in per_site)
+        summary["nonfinite"] = summary["nonfinite_logits"] + summary["nonfinite_all_reduce"]
+        summary["born_error_max"] = float(np.max([site["born_error"] for site in per_site]))
+        summary["final_layer_error"] = per_site[-1]["error"]
+        return {**summary, "per_layer": per_site}
+
+
+@dataclasses.dataclass
+class _Run:
+    """The engines of one evaluation: the reference, the compute floor, every method."""
+
+    engines: dict[str, Any]  # label -> PrefillEngine, the reference first, FLOOR second
+    all_reduces: dict[str, AllReduce]  # method label -> the all-reduce it runs
+    tokenizer: Any
+
+    @property
+    def reference(self) -> Any:
+        return self.engines[REFERENCE]
+
+
+def _build_engines(config: EvalConfig, log: Callable[[str], None]) -> _Run:
+    import jax.numpy as jnp
+
+    from equarx_serve.decode import byte_tokenizer
+    from equarx_serve.engine import PrefillEngine
+
+    all_reduces = {spec.label: _with_gate_off(spec) for spec in config.all_methods()}
+    max_length = max(config.seq_len, config.greedy_prompt_len + config.greedy_tokens)
+    load = functools.partial(
+        PrefillEngine.from_name,
+        config.model,
+        config.tp,
+        REFERENCE,
+        config.checkpoint,
+        config.tokenizer,
+        max_length=max_length,
+    )
+    log(f"loading {config.model} at TP={config.tp} (bfloat16, and float32 for the floor)")
+    if config.tp == 1:
+        log("warning: at TP=1 there is nothing to all-reduce; every method equals the reference")
+    base = load(dtype=jnp.bfloat16)
+    engines = {REFERENCE: base, FLOOR: load(dtype=jnp.dtype(FLOOR_DTYPE))}
+    engines |= {label: base.with_all_reduce(ar) for label, ar in all_reduces.items()}
+    engines[REFERENCE] = base
+    return _Run(engines, all_reduces, base.tokenizer or byte_tokenizer(base.config.vocab_size))
+
+
+def _score_windows(
+    run: _Run,
+    windows: np.ndarray,
+    batch_size: int,
+    progress: Callable[[int, int], None] | None,
+) -> tuple[dict[str, _MethodScores], list[str]]:
+    """Every engine's forward pass over the windows, scored against the reference's."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from eval import metrics
+    from models.gemma3 import AXIS
+
+    mesh = run.reference.mesh
+    split = functools.partial(metrics.split_positions, mesh=mesh, axis_name=AXIS)
+    seq_len = windows.shape[1]
+    num_scored = seq_len - 1
+    scores = {label: _MethodScores() for label in run.engines}
+    site_names: list[str] = []
+    for start in range(0, len(windows), batch_size):
+        batch = windows[start : start + batch_size]
+        tokens = batch.tolist()
+
+        def run_one(label: str, tokens=tokens) -> tuple[jax.Array, Any]:
+            """label's logits laid out over the devices and its trace (one device's copy)."""
+            started = time.perf_counter()
+            result = run.engines[label].prefill(tokens, last_only=False, capture=True)
+            outputs = split(result.logits), jax.tree.map(metrics.local_copy, result.trace)
+            scores[label].seconds += time.perf_counter() - started
+            return outputs
+
+        # Peak memory: the batch's baseline (the reference's logits and log-probabilities, the
+        # floor's log-probabilities, laid out over the devices), the reference's trace, and one
+        # other method's logits (replicated, then laid out) and log-probabilities at a time.
+        first = {label: run_one(label) for label in (REFERENCE, FLOOR)}
+        reference_logits, reference_trace = first[REFERENCE]
+        started = time.perf_counter()
+        base = metrics.baseline(reference_logits, first[FLOOR][0])
+        scores[REFERENCE].seconds += time.perf_counter() - started
+        bucket = reference_logits.shape[1]  # the padded length
+        targets = np.zeros((len(batch), bucket), np.int32)  # beyond num_scored: not scored
+        targets[:, :num_scored] = batch[:, 1:]
+        targets = split(jax.device_put(targets, NamedSharding(mesh, P())))
+        site_names = [name for name, _ in metrics.sites(reference_trace)]
+        for label in run.engines:
+            logits, trace = first.pop(label, None) or run_one(label)
+            started = time.perf_counter()
+            scores[label].add(
+                metrics.token_metrics(base, logits, targets),
+                num_scored,
+                metrics.site_errors(trace, reference_trace, num_tokens=seq_len),
+            )
+            scores[label].seconds += time.perf_counter() - started
+            del logits, trace
+        del base, reference_logits, reference_trace
+        if progress:
+            progress(len(batch), len(windows))
+    return scores, site_names
+
+
+def _greedy(run: _Run, prompts: list[list[int]], max_tokens: int) -> dict[str, dict[str, Any]]:
+    """Every engine's greedy continuation of the prompts, against the reference's."""
+    from equarx_serve.decode import Generator, SamplingParams
+    from eval import metrics
+
+    sampling = SamplingParams(max_tokens=max_tokens)
+    generated, seconds = {}, {}
+    for label, engine in run.engines.items():
+        started = time.perf_counter()
+        completions = Generator(engine, max_batch=len(prompts)).generate(prompts, sampling)
+        # Completion.tokens leaves the stop token out; put it back, so that stopping where
+        # the reference went on (or the reverse) counts as a divergence.
+        eos = [run.tokenizer.eos_id]
+        generated[label] = [
+            c.tokens + (eos if c.finish_reason == "stop" else []) for c in completions
+        ]
+        seconds[label] = time.perf_counter() - started
+    return {
+        label: {
+            **metrics.greedy_agreement(generated[REFERENCE], tokens),
+            "greedy_seconds": seconds[label],
+        }
+        for label, tokens in generated.items()
+    }
+
 
 def run_eval(
     config: EvalConfig,
@@ -126,109 +282,45 @@ def run_eval(
 ) -> dict[str, Any]:
     """Runs the evaluation (see module doc); `progress(n, total)` after every n of `total`
     windows scored.
-    Returns the report: {"reference", "floor", "methods": {label: numbers}, "settings"}.
-    ValueError for bad settings (unknown method, model that cannot split TP ways, text too
-    short...)."""
-    import jax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    from equarx_serve.decode import Generator, SamplingParams, byte_tokenizer
-    from equarx_serve.engine import PrefillEngine
+    Returns the report: {"reference", "compute_floor": numbers, "methods": {label: numbers},
+    "settings"}; every method's numbers include its KL and top-1 disagreement as multiples of
+    the floor's. ValueError for bad settings (unknown method or corpus, a model that cannot
+    split TP ways, text too short...)."""
     from eval import corpus as corpus_lib
     from eval import metrics
-    from models.gemma3 import AXIS
 
     started = time.perf_counter()
-    specs = config.all_methods()
-    all_reduces = {spec.label: _with_gate_off(spec) for spec in specs}
-
-    max_length = max(config.seq_len, config.greedy_prompt_len + config.greedy_tokens)
-    log(f"loading {config.model} at TP={config.tp}")
-    if config.tp == 1:
-        log("warning: at TP=1 there is nothing to all-reduce; every method equals the reference")
-    base = PrefillEngine.from_name(
-        config.model,
-        config.tp,
-        all_reduces[REFERENCE],
-        config.checkpoint,
-        config.tokenizer,
-        max_length=max_length,
+    run = _build_engines(config, log)
+    base = run.reference
+    corpus = (
+        corpus_lib.load_corpus(config.text)
+        if config.text
+        else corpus_lib.named_corpus(config.corpus)
     )
-    engines = {label: base.with_all_reduce(ar) for label, ar in all_reduces.items()}
-    engines[REFERENCE] = base
-    tokenizer = base.tokenizer or byte_tokenizer(base.config.vocab_size)
-
-    corpus = corpus_lib.load_corpus(config.text) if config.text else corpus_lib.default_corpus()
-    stream = corpus_lib.token_stream(corpus, tokenizer)
+    stream = corpus_lib.token_stream(corpus, run.tokenizer)
     windows = corpus_lib.make_windows(
-        stream, tokenizer.bos_id, seq_len=config.seq_len, num_seqs=config.num_seqs
+        stream, run.tokenizer.bos_id, seq_len=config.seq_len, num_seqs=config.num_seqs
     )
     log(f"corpus: {corpus.name}, {len(stream)} tokens, {len(windows)} windows of {config.seq_len}")
 
-    num_scored = config.seq_len - 1
-    scores = {label: _MethodScores() for label in engines}
-    site_names: list[str] = []
     batch_size = config.batch_size or default_batch_size(config.tp)
-    for start in range(0, len(windows), batch_size):
-        batch = windows[start : start + batch_size]
-        # Peak memory: the reference's logits, laid out over the devices (once), the floor's
-        # trace, and one method's replicated logits at a time.
-        tokens = batch.tolist()
-        first = {label: engines[label].prefill(tokens, last_only=False, capture=True)
-                 for label in (REFERENCE, FLOOR)}  # fmt: skip
-        bucket = first[REFERENCE].bucket
-        targets = np.zeros((len(batch), bucket), np.int32)  # beyond num_scored: not scored
-        targets[:, :num_scored] = batch[:, 1:]
-        split = functools.partial(metrics.split_positions, mesh=base.mesh, axis_name=AXIS)
-        targets = split(jax.device_put(targets, NamedSharding(base.mesh, P())))
-        reference_logits = split(first[REFERENCE].logits)
-        f32_trace = jax.tree.map(metrics.local_copy, first[FLOOR].trace)
-        site_names = [name for name, _ in metrics.sites(f32_trace)]
-        for label, engine in engines.items():
-            result = first.pop(label, None) or engine.prefill(tokens, last_only=False, capture=True)
-            trace = jax.tree.map(metrics.local_copy, result.trace)
-            scores[label].add(
-                metrics.token_metrics(reference_logits, split(result.logits), targets),
-                num_scored,
-                metrics.site_errors(trace, f32_trace, num_tokens=config.seq_len),
-            )
-            del result, trace
-        del reference_logits, f32_trace
-        if progress:
-            progress(len(batch), len(windows))
-
-    reports = {}
+    scores, site_names = _score_windows(run, windows, batch_size, progress)
     reference_tokens = scores[REFERENCE].per_token()
     reference_ppl = float(np.exp(np.mean(reference_tokens["nll"], dtype=np.float64)))
-    for label, score in scores.items():
-        per_site = metrics.summarize_sites(site_names, score.site_sums)
-        summary = metrics.summarize(score.per_token(), reference_ppl)
-        summary["nonfinite_all_reduce"] = sum(site["nonfinite"] for site in per_site)
-        summary["nonfinite"] = summary["nonfinite_logits"] + summary["nonfinite_all_reduce"]
-        summary["born_error_max"] = float(np.max([site["born_error"] for site in per_site]))
-        summary["final_layer_error"] = per_site[-1]["error"]
-        reports[label] = {**summary, "per_layer": per_site}
+    reports = {label: score.summary(site_names, reference_ppl) for label, score in scores.items()}
 
     prompts: list[list[int]] = []
     if config.greedy_prompts > 0 and config.greedy_tokens > 0:
-        prompts = corpus_lib.prompts_from_windows(
-            windows, config.greedy_prompt_len, config.greedy_prompts
+        prompts = corpus_lib.greedy_prompts(
+            stream, run.tokenizer.bos_id, config.greedy_prompt_len, config.greedy_prompts
         )
         log(f"greedy: {len(prompts)} prompts x {config.greedy_tokens} tokens per method")
-        sampling = SamplingParams(max_tokens=config.greedy_tokens)
-        # Completion.tokens leaves the stop token out; put it back, so that stopping where
-        # the reference went on (or the reverse) counts as a divergence.
-        generated = {
-            label: [
-                c.tokens + ([tokenizer.eos_id] if c.finish_reason == "stop" else [])
-                for c in Generator(engine, max_batch=len(prompts)).generate(prompts, sampling)
-            ]
-            for label, engine in engines.items()
-        }
-        for label in engines:
-            reports[label].update(metrics.greedy_agreement(generated[REFERENCE], generated[label]))
+        for label, numbers in _greedy(run, prompts, config.greedy_tokens).items():
+            reports[label].update(numbers)
 
+    floor = reports.pop(FLOOR)
+    for numbers in (*reports.values(), floor):  # the floor last: 1x itself
+        numbers.update(metrics.relative_to_floor(numbers, floor))
     settings = {
         "model": config.model,
         "model_info": base.info,
@@ -236,21 +328,29 @@ def run_eval(
         "tp": config.tp,
         "devices": [str(d) for d in base.mesh.devices.flat],
         "methods": {
-            label: {"name": ar.name, "options": ar.options()} for label, ar in all_reduces.items()
+            label: {"name": ar.name, "options": ar.options()}
+            for label, ar in run.all_reduces.items()
         },
+        "compute_floor": {"dtype": FLOOR_DTYPE, "all_reduce": REFERENCE},
         "size_gate": "off: min_size_bytes=0 unless a method spec sets it",
         "corpus": {**corpus.describe(), "tokens": len(stream)},
         "seq_len": config.seq_len,
         "num_seqs": len(windows),
         "batch_size": batch_size,
-        "scored_tokens": len(windows) * num_scored,
+        "scored_tokens": len(windows) * (config.seq_len - 1),
         "greedy": {
             "prompts": len(prompts),
             "prompt_len": config.greedy_prompt_len,
             "tokens": config.greedy_tokens,
         },
+        "forward_seconds": {label: round(score.seconds, 1) for label, score in scores.items()},
         "versions": _versions(),
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    return {"reference": REFERENCE, "floor": FLOOR, "methods": reports, "settings": settings}
+    return {
+        "reference": REFERENCE,
+        "compute_floor": floor,
+        "methods": reports,
+        "settings": settings,
+    }

@@ -16,13 +16,22 @@ distribution and q the method's:
 Per all-reduce site (layer_i/attn, layer_i/mlp), summed over tokens:
   born        ||y - y_exact||^2 and ||y_exact||^2, where y_exact is the f32 psum of the same
               partial sums this run reduced: the error the all-reduce adds at this site
-  propagated  ||y - y_f32run||^2 and ||y_f32run||^2, against the psum-f32 run's output at the
+  propagated  ||y - y_ref||^2 and ||y_ref||^2, against the reference run's output at the
               same site: the error accumulated through all the layers below
+Against the float32 model itself (the compute floor's logits, not the reference's):
+  kl_to_float32                KL(float32 model || method): how far from the higher-precision
+                               model a method is, next to the reference's own distance
+Against the compute floor (the float32 model's numbers, `relative_to_floor`):
+  kl_mean_vs_floor             kl_mean / the floor's kl_mean
+  top1_disagreement_vs_floor   (1 - top1) / (1 - the floor's top1)
+  top1_agreement_below_floor   the floor's top1 - top1 (points, as a fraction)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,38 +62,78 @@ def split_positions(x: jax.Array, mesh: Mesh, axis_name: str) -> jax.Array:
     return jax.device_put(x, NamedSharding(mesh, P(None, axis_name)))
 
 
-def token_metrics(
-    reference_logits: jax.Array, logits: jax.Array, targets: jax.Array
-) -> dict[str, jax.Array]:
-    """reference_logits, logits [B, L, V], targets [B, L] (the token after each position) ->
-    per position [B, L]: nll, kl, top1, top5, max_abs, mean_abs, cosine and nonfinite (the
-    count of non-finite logits). The caller drops the positions it does not score.
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["logits", "log_probs", "top_k", "float32_log_probs"],
+    meta_fields=[],
+)
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """What every method of one batch is scored against, computed once per batch (`baseline`):
+    the reference's logits [B, L, V], log-probabilities [B, L, V] f32 and top-K tokens
+    [B, L, K], and the float32 model's log-probabilities [B, L, V] f32."""
 
-    Three programs, not one: fused into one, XLA:CPU recomputes the [B, L, V] log-softmaxes
-    inside every consumer (measured: 50 s instead of 7 s for [2, 511, 262144])."""
+    logits: jax.Array
+    log_probs: jax.Array
+    top_k: jax.Array
+    float32_log_probs: jax.Array
+
+
+def baseline(reference_logits: jax.Array, float32_logits: jax.Array) -> Baseline:
+    """The reference's and the float32 model's logits [B, L, V] -> the batch's `Baseline`."""
+    return Baseline(
+        logits=reference_logits,
+        log_probs=log_probs(reference_logits),
+        top_k=_top_k(reference_logits),
+        float32_log_probs=log_probs(float32_logits),
+    )
+
+
+def token_metrics(base: Baseline, logits: jax.Array, targets: jax.Array) -> dict[str, jax.Array]:
+    """A method's logits [B, L, V] against the batch's `Baseline`, targets [B, L] (the token
+    after each position) -> per position [B, L]: nll, kl, kl_to_float32, top1, top5, max_abs,
+    mean_abs, cosine and nonfinite (the count of non-finite logits). The caller drops the
+    positions it does not score.
+
+    Separate programs, each log-softmax and top-k materialized once: fused into one, XLA:CPU
+    recomputes the [B, L, V] log-softmaxes inside every consumer (measured: 50 s instead of 7 s
+    for [2, 511, 262144]); the baseline's are shared by every method of the batch."""
+    log_q = log_probs(logits)
     return {
-        **_distribution_metrics(reference_logits, logits, targets),
-        **_top_k_metrics(reference_logits, logits),
-        **_logit_errors(reference_logits, logits),
+        **_distribution_metrics(base.log_probs, base.float32_log_probs, log_q, targets),
+        **_top_k_metrics(base.top_k, _top_k(logits)),
+        **_logit_errors(base.logits, logits),
     }
+
+
+def _kl(log_p: jax.Array, log_q: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+
+
+@jax.jit
+def log_probs(logits: jax.Array) -> jax.Array:
+    """[B, L, V] logits -> f32 log-probabilities."""
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+@jax.jit
+def _top_k(logits: jax.Array) -> jax.Array:
+    return jax.lax.top_k(logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
 
 
 @jax.jit
 def _distribution_metrics(
-    p_logits: jax.Array, q_logits: jax.Array, targets: jax.Array
+    log_p: jax.Array, log_f: jax.Array, log_q: jax.Array, targets: jax.Array
 ) -> dict[str, jax.Array]:
-    log_p = jax.nn.log_softmax(p_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
-    log_q = jax.nn.log_softmax(q_logits.astype(jnp.float32), axis=-1)  # [B, T, V]
     return {
         "nll": -jnp.take_along_axis(log_q, targets[..., None], axis=-1)[..., 0],  # [B, T]
-        "kl": jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1),  # [B, T]
+        "kl": _kl(log_p, log_q),  # [B, T]
+        "kl_to_float32": _kl(log_f, log_q),  # [B, T]
     }
 
 
 @jax.jit
-def _top_k_metrics(p_logits: jax.Array, q_logits: jax.Array) -> dict[str, jax.Array]:
-    top_p = jax.lax.top_k(p_logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
-    top_q = jax.lax.top_k(q_logits.astype(jnp.float32), TOP_K)[1]  # [B, T, K]
+def _top_k_metrics(top_p: jax.Array, top_q: jax.Array) -> dict[str, jax.Array]:
     shared = jnp.any(top_p[..., :, None] == top_q[..., None, :], axis=-1)  # [B, T, K]
     return {
         "top1": (top_p[..., 0] == top_q[..., 0]).astype(jnp.float32),
@@ -113,22 +162,22 @@ def sites(trace: Trace) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 @functools.partial(jax.jit, static_argnames="num_tokens")
-def site_errors(trace: Trace, f32_trace: Trace, *, num_tokens: int) -> jax.Array:
+def site_errors(trace: Trace, reference_trace: Trace, *, num_tokens: int) -> jax.Array:
     """[num_sites, 5] sums over the first `num_tokens` positions of every sequence, per site in
-    depth order: born error^2, exact^2, propagated error^2, psum-f32 run's output^2, non-finite
-    output elements."""
+    depth order: born error^2, exact^2, propagated error^2 (against the reference run's
+    output), the reference run's output^2, non-finite output elements."""
     rows = []
-    for (_, record), (_, f32_record) in zip(sites(trace), sites(f32_trace), strict=True):
+    for (_, record), (_, ref_record) in zip(sites(trace), sites(reference_trace), strict=True):
         (output,) = record["output"]  # [B, L, D]
-        (f32_output,) = f32_record["output"]
+        (ref_output,) = ref_record["output"]
         output = output[:, :num_tokens].astype(jnp.float32)
-        f32_output = f32_output[:, :num_tokens].astype(jnp.float32)
+        ref_output = ref_output[:, :num_tokens].astype(jnp.float32)
         rows.append(
             jnp.stack([
                 jnp.sum(record["error_sq"][0][:, :num_tokens]),
                 jnp.sum(record["exact_sq"][0][:, :num_tokens]),
-                jnp.sum(jnp.square(output - f32_output)),
-                jnp.sum(jnp.square(f32_output)),
+                jnp.sum(jnp.square(output - ref_output)),
+                jnp.sum(jnp.square(ref_output)),
                 jnp.sum(record["nonfinite"][0][:, :num_tokens]).astype(jnp.float32),
             ])
         )  # fmt: skip
@@ -152,6 +201,7 @@ def summarize(tokens: dict[str, np.ndarray], reference_perplexity: float) -> dic
         "logit_cosine_mean": float(np.mean(tokens["cosine"], dtype=np.float64)),
         "logit_cosine_min": float(np.min(tokens["cosine"])),
         "nonfinite_logits": int(np.sum(tokens["nonfinite"])),
+        "kl_to_float32": float(np.mean(tokens["kl_to_float32"], dtype=np.float64)),
     }
 
 
@@ -186,12 +236,33 @@ def greedy_agreement(reference: list[list[int]], generated: list[list[int]]) -> 
     all; the caller appends the stop token to completions that stopped)."""
     matched = [_common_prefix(ref, gen) for ref, gen in zip(reference, generated, strict=True)]
     lengths = [len(ref) for ref in reference]
+    stderr = float(np.std(matched, ddof=1) / np.sqrt(len(matched))) if len(matched) > 1 else 0.0
     return {
         "greedy_matched_mean": float(np.mean(matched)),
+        "greedy_matched_stderr": stderr,
         "greedy_matched_fraction": float(sum(matched) / max(sum(lengths), 1)),
         "greedy_identical": float(np.mean([m == n for m, n in zip(matched, lengths, strict=True)])),
         "greedy_matched": matched,
     }
+
+
+def relative_to_floor(numbers: dict[str, Any], floor: dict[str, Any]) -> dict[str, float]:
+    """A method's KL and top-1 disagreement as multiples of the compute floor's, and its top-1
+    agreement's shortfall from the floor's (see the module doc)."""
+    return {
+        "kl_mean_vs_floor": _ratio(numbers["kl_mean"], floor["kl_mean"]),
+        "top1_disagreement_vs_floor": _ratio(
+            1.0 - numbers["top1_agreement"], 1.0 - floor["top1_agreement"]
+        ),
+        "top1_agreement_below_floor": floor["top1_agreement"] - numbers["top1_agreement"],
+    }
+
+
+def _ratio(value: float, floor: float) -> float:
+    """value / floor; 0 when both are 0, Inf when only the floor is (a zero floor)."""
+    if floor == 0:
+        return 0.0 if value == 0 else math.inf
+    return value / floor
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

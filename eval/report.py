@@ -7,15 +7,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+FLOOR_LABEL = "float32 model (compute floor)"
+
 # (header, key, format) of the summary table, in order.
 COLUMNS = (
     ("method", None, "{}"),
     ("ppl", "perplexity", "{:.4f}"),
     ("Δppl", "ppl_rel_change", "{:+.3%}"),
     ("KL mean", "kl_mean", "{:.2e}"),
+    ("KL/floor", "kl_mean_vs_floor", "{:.2f}x"),
+    ("KL to f32", "kl_to_float32", "{:.2e}"),
     ("KL p99", "kl_p99", "{:.2e}"),
     ("KL max", "kl_max", "{:.2e}"),
     ("top-1", "top1_agreement", "{:.2%}"),
+    ("miss/floor", "top1_disagreement_vs_floor", "{:.2f}x"),
     ("top-5", "top5_overlap", "{:.2%}"),
     ("logit max|Δ|", "logit_max_abs_error", "{:.3f}"),
     ("logit mean|Δ|", "logit_mean_abs_error", "{:.4f}"),
@@ -23,36 +28,46 @@ COLUMNS = (
     ("AR err last", "final_layer_error", "{:.2%}"),
     ("AR born max", "born_error_max", "{:.2%}"),
     ("greedy", "greedy_matched_mean", "{:.1f}"),
+    ("greedy ±", "greedy_matched_stderr", "{:.1f}"),
     ("non-finite", "nonfinite", "{}"),
 )
 LEGEND = (
-    "Against the reference ({reference}, BF16 model) over {scored} scored tokens. Δppl: "
-    "relative perplexity change. KL: KL(reference || method), nats per token. top-1: argmax "
-    "agreement; top-5: overlap of the five most likely tokens. AR err last: relative error of "
-    "the last all-reduce's output against the {floor} run's (accumulated through all layers); "
-    "AR born max: the largest error one all-reduce adds to its own exact f32 sum. greedy: "
-    "tokens of {greedy_tokens} greedily generated ones that match the reference's before the "
-    "first divergence (mean over {greedy_prompts} prompts). non-finite: NaN/Inf in logits and "
+    "Against the reference ({reference}, BF16 model) over {scored} scored tokens. The compute "
+    "floor is the same model computed in float32 (with {reference}): the difference bf16 "
+    "arithmetic alone makes. Δppl: relative perplexity change. KL: KL(reference || method), "
+    "nats per token; KL/floor: as a multiple of the floor's; KL to f32: KL(float32 model || "
+    "method), the distance from the higher-precision model. top-1: argmax agreement; "
+    "miss/floor: top-1 disagreement as a multiple of the floor's; top-5: overlap of the five "
+    "most likely tokens. AR err last: relative error of the last all-reduce's output against "
+    "the reference run's (accumulated through all layers); AR born max: the largest error one "
+    "all-reduce adds to its own exact f32 sum. greedy: tokens of {greedy_tokens} greedily "
+    "generated ones that match the reference's before the first divergence (mean over "
+    "{greedy_prompts} prompts, ± its standard error). non-finite: NaN/Inf in logits and "
     "all-reduce outputs."
 )
 
 
+def rows(report: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(label, numbers) of the reference, the compute floor, then every other method."""
+    reference, *others = report["methods"].items()
+    return [reference, (FLOOR_LABEL, report["compute_floor"]), *others]
+
+
 def _cells(report: dict[str, Any]) -> list[list[str]]:
-    rows = []
-    for label, numbers in report["methods"].items():
+    cells = []
+    for label, numbers in rows(report):
         row = [label]
         for _, key, fmt in COLUMNS[1:]:
             value = numbers.get(key)
             row.append("-" if value is None else fmt.format(value))
-        rows.append(row)
-    return rows
+        cells.append(row)
+    return cells
 
 
 def _legend(report: dict[str, Any]) -> str:
     settings = report["settings"]
     return LEGEND.format(
         reference=report["reference"],
-        floor=report["floor"],
         scored=settings["scored_tokens"],
         greedy_tokens=settings["greedy"]["tokens"],
         greedy_prompts=settings["greedy"]["prompts"],
@@ -70,10 +85,10 @@ def _title(report: dict[str, Any]) -> str:
 def format_table(report: dict[str, Any]) -> str:
     """The summary as aligned text columns."""
     headers = [header for header, _, _ in COLUMNS]
-    rows = _cells(report)
-    widths = [max(len(r[i]) for r in [headers, *rows]) for i in range(len(headers))]
+    cells = _cells(report)
+    widths = [max(len(r[i]) for r in [headers, *cells]) for i in range(len(headers))]
     lines = [_title(report), ""]
-    for row in [headers, *rows]:
+    for row in [headers, *cells]:
         first, *rest = zip(row, widths, strict=True)
         lines.append("  ".join([first[0].ljust(first[1]), *(c.rjust(w) for c, w in rest)]))
     return "\n".join(lines)
@@ -102,6 +117,8 @@ def format_markdown(report: dict[str, Any], plot_path: Path | None = None) -> st
         f"sha256 `{s['corpus']['sha256'][:16]}`",
         f"- {s['num_seqs']} windows x {s['seq_len']} tokens, batch {s['batch_size']}, "
         f"{s['scored_tokens']} scored tokens",
+        f"- compute floor: the model in {s['compute_floor']['dtype']}, "
+        f"all-reduce `{s['compute_floor']['all_reduce']}`",
         f"- size gate: {s['size_gate']}",
         f"- versions: {', '.join(f'{k} {v}' for k, v in s['versions'].items())}",
         f"- {s['date']}, {s['wall_s']} s",
@@ -129,14 +146,14 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (born_ax, error_ax) = plt.subplots(1, 2, figsize=(13, 4.8), sharey=True)
-    for label, numbers in report["methods"].items():
+    for label, numbers in rows(report):
         sites = numbers["per_layer"]
         x = [site["layer"] + (0.5 if site["kind"] == "mlp" else 0.0) for site in sites]
         style = {"marker": ".", "label": label}
         born_ax.plot(x, [max(site["born_error"], 1e-7) for site in sites], **style)
         error_ax.plot(x, [max(site["error"], 1e-7) for site in sites], **style)
     born_ax.set_title("born: one all-reduce's error vs its exact f32 sum")
-    error_ax.set_title(f"accumulated: output vs the {report['floor']} run's")
+    error_ax.set_title(f"accumulated: output vs the {report['reference']} run's")
     for ax in (born_ax, error_ax):
         ax.set_yscale("log")
         ax.set_xlabel("layer (attention at n, MLP at n + 0.5)")

@@ -14,12 +14,29 @@ Tensor parallelism over a mesh axis "tp" of size T (`param_partition_specs`):
     partial [B, L, D] sum that the pluggable all-reduce completes: the only two collectives of
     a layer and of the whole forward pass.
 
+Folded rotation: when the all-reduce rotates its input before quantizing (`equarx-int8`'s
+block Hadamard, `AllReduce.foldable_rotation`) and the rotation block divides D, the model
+keeps a rotated copy of both row-parallel weights beside the originals, `w_rotated` and
+`linear_rotated`: their output columns (the D axis) multiplied by the rotation once, when the
+parameters are placed (`shard_params`, `fold_params`), stored in the parameter dtype. A message
+the all-reduce will quantize is computed with the rotated copy, so its partial sums come out
+already rotated and the all-reduce (`with_rotated_input()`) applies only the inverse; a message
+below the size gate (decode steps, short prompts) is computed with the original weights and
+goes to `psum` exactly as without folding (rounding the rotated weights to bf16 alone moves
+the model about as far as bf16 arithmetic does, so the gated path keeps the originals). The
+choice is made per call site from the message's static shape. The cost is memory: the two
+row-parallel weights twice (+71 MB for 270M in bf16; a quarter to a third more for the
+larger sizes); `fold_rotation=False` on the all-reduce keeps one copy and rotates inside it.
+
 The Flax modules below are written for one device's shard (their sizes are the local ones) and
 run inside `jax.shard_map`; `TensorParallelGemma3` wraps them in `jit(shard_map(...))`:
 
     model = TensorParallelGemma3(get_config("tiny"), mesh, all_reduce="equarx-int8")
     params = model.shard_params(params)  # the gemma tree, placed by param_partition_specs
     out = model(params, tokens, input_mask)  # out.logits [B, L, V]; out.cache["layer_0"]["k"]
+
+Always run a model on parameters from its own `shard_params` or `fold_params`: with a folded
+rotation they hold the rotated copies besides the checkpoint's.
 
 Padding follows gemma: `input_mask` (default `tokens != 0`) marks real tokens; positions count
 real tokens only, and attention is causal over real tokens (prompts may be padded on either
@@ -31,6 +48,8 @@ sum(input_mask) - 1 (the same for right-padded prompts, wrong for left-padded on
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from typing import Any
 
 import flax
@@ -42,10 +61,15 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.collectives.hadamard import HadamardRotation
 from models.config import AttentionType, Gemma3Config
 
 K_MASK = -2.3819763e38  # gemma's masked-logit value
 AXIS = "tp"
+# The row-parallel weights (paths in a layer's parameter tree), [..., D] each, and the suffix of
+# their rotated copies' names (`fold_rotation`).
+ROW_PARALLEL_WEIGHTS = (("attn", "attn_vec_einsum", "w"), ("mlp", "linear"))
+ROTATED = "_rotated"
 TRACE = "all_reduce_trace"  # Flax collection of the all-reduce records (`reduce_and_trace`)
 
 LayerCache = dict[str, jax.Array]  # {"k", "v"}: [B, L, K_local, H], after QK-norm and RoPE
@@ -112,8 +136,11 @@ class _Param:
     fan_in: int | None
 
 
-def _param_layout(config: Gemma3Config, tp: int, axis_name: str) -> Params:
-    """The gemma parameter tree with a `_Param` at every leaf."""
+def _param_layout(
+    config: Gemma3Config, tp: int, axis_name: str, *, rotated_copies: bool = False
+) -> Params:
+    """The gemma parameter tree with a `_Param` at every leaf (and, with `rotated_copies`, the
+    row-parallel weights' rotated copies beside them)."""
     layout = ShardLayout.create(config, tp)
     n, k, d, h, f = (
         config.num_heads,
@@ -151,6 +178,10 @@ def _param_layout(config: Gemma3Config, tp: int, axis_name: str) -> Params:
     if config.use_post_ffw_norm:
         layer["post_ffw_norm"] = norm(d)
 
+    if rotated_copies:
+        for *parents, name in ROW_PARALLEL_WEIGHTS:
+            node = functools.reduce(lambda tree, key: tree[key], parents, layer)
+            node[name + ROTATED] = node[name]
     return {
         "embedder": {"input_embedding": _Param((config.vocab_size, d), P(), d)},
         **{f"layer_{i}": layer for i in range(config.num_layers)},
@@ -163,12 +194,16 @@ def param_shapes(config: Gemma3Config) -> Params:
     return jax.tree.map(lambda p: p.shape, _param_layout(config, 1, AXIS))
 
 
-def param_partition_specs(config: Gemma3Config, tp: int, *, axis_name: str = AXIS) -> Params:
-    """A `PartitionSpec` for every parameter (the tree of `param_shapes`), for degree `tp`.
+def param_partition_specs(
+    config: Gemma3Config, tp: int, *, axis_name: str = AXIS, rotated_copies: bool = False
+) -> Params:
+    """A `PartitionSpec` for every parameter (the tree of `param_shapes`, and with
+    `rotated_copies` the folded rotation's copies), for degree `tp`.
 
     Raises ValueError when the model cannot be split `tp` ways (see `ShardLayout.create`).
     """
-    return jax.tree.map(lambda p: p.spec, _param_layout(config, tp, axis_name))
+    layout = _param_layout(config, tp, axis_name, rotated_copies=rotated_copies)
+    return jax.tree.map(lambda p: p.spec, layout)
 
 
 def cache_partition_spec(config: Gemma3Config, tp: int, *, axis_name: str = AXIS) -> P:
@@ -196,6 +231,23 @@ def init_params(
         for k, p in zip(keys, leaves, strict=True)
     ]
     return jax.tree.unflatten(treedef, [v.astype(dtype) for v in values])
+
+
+def fold_rotation(params: Params, rotation: HadamardRotation) -> Params:
+    """`params` (the checkpoint's tree) plus, beside every row-parallel weight W, its rotated
+    copy (`<name>_rotated`): the output columns (last axis, D) multiplied by `rotation`,
+    computed in f32, stored in W's dtype and placement. Every other leaf is the same array.
+    A partial sum x @ W_rotated is (x @ W) R."""
+    rotate = jax.jit(rotation.apply)
+    folded = {key: value for key, value in params.items()}
+    for key in params:
+        if not key.startswith("layer_"):
+            continue
+        folded[key] = layer = jax.tree.map(lambda x: x, params[key])  # a copy of the dicts
+        for *parents, name in ROW_PARALLEL_WEIGHTS:
+            node = functools.reduce(lambda tree, k: tree[k], parents, layer)
+            node[name + ROTATED] = rotate(node[name])
+    return folded
 
 
 # -- Masks and positions (as gemma builds them) -------------------------------------------------
@@ -259,19 +311,38 @@ def apply_rope(
 # -- Layers (local shard shapes) ----------------------------------------------------------------
 
 
-def reduce_and_trace(module: nn.Module, partial: jax.Array) -> jax.Array:
-    """`module.all_reduce` of this device's partial sums [B, T, D] over `module.axis_name`.
+@dataclasses.dataclass(frozen=True)
+class RowParallelReduction:
+    """How the layers reduce their row-parallel partial sums: `all_reduce`, and whether the
+    rotated weight copies exist (`folded`, see the module doc)."""
+
+    all_reduce: AllReduce
+    folded: bool = False
+
+    def rotated(self, message_shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
+        """Whether a message of this shape is computed with the rotated weights (and reduced
+        with `with_rotated_input()`): only when folded and the all-reduce quantizes it."""
+        return self.folded and self.all_reduce.quantizes(math.prod(message_shape), dtype)
+
+    def all_reduce_for(self, rotated: bool) -> AllReduce:
+        return self.all_reduce.with_rotated_input() if rotated else self.all_reduce
+
+
+def reduce_and_trace(module: nn.Module, partial: jax.Array, rotated: bool) -> jax.Array:
+    """The all-reduce (`module.reduction`) of this device's partial sums [B, T, D] over
+    `module.axis_name`; `rotated`: they were computed with the rotated weights.
 
     When the `TRACE` collection is mutable (`capture=True`), also records, under the module's
     path: "output" [B, T, D], the reduced value; "error_sq" [B, T], the squared L2 error of
     that value against an f32 `psum` of the same partial sums (the error this all-reduce adds
     here, before it propagates); "exact_sq" [B, T], the squared norm of that f32 sum; and
     "nonfinite" [B, T], how many output elements are NaN or Inf. The extra f32 psum runs only
-    when tracing.
+    when tracing (`AllReduce.exact_sum`: with a folded rotation, rotated back).
     """
-    output = module.all_reduce(partial, module.axis_name)
+    all_reduce = module.reduction.all_reduce_for(rotated)
+    output = all_reduce(partial, module.axis_name)
     if module.is_mutable_collection(TRACE):
-        exact = lax.psum(partial.astype(jnp.float32), module.axis_name)  # [B, T, D]
+        exact = all_reduce.exact_sum(partial, module.axis_name)  # [B, T, D]
         error = output.astype(jnp.float32) - exact
         module.sow(TRACE, "output", output)
         module.sow(TRACE, "error_sq", jnp.sum(error * error, axis=-1))
@@ -281,14 +352,16 @@ def reduce_and_trace(module: nn.Module, partial: jax.Array) -> jax.Array:
 
 
 class Einsum(nn.Module):
-    """A weight of `shape` applied with an einsum equation given at call time."""
+    """A weight of `shape` applied with an einsum equation given at call time (`rotated`: its
+    rotated copy, see the module doc)."""
 
     shape: tuple[int, ...]
     weight_name: str = "w"
 
     @nn.compact
-    def __call__(self, eqn: str, x: jax.Array) -> jax.Array:
-        w = self.param(self.weight_name, nn.initializers.normal(), self.shape)
+    def __call__(self, eqn: str, x: jax.Array, *, rotated: bool = False) -> jax.Array:
+        name = self.weight_name + ROTATED if rotated else self.weight_name
+        w = self.param(name, nn.initializers.normal(), self.shape)
         return jnp.einsum(eqn, x, w)
 
 
@@ -332,7 +405,7 @@ class Attention(nn.Module):
     config: Gemma3Config
     layout: ShardLayout
     attn_type: AttentionType
-    all_reduce: AllReduce
+    reduction: RowParallelReduction
     axis_name: str
 
     def setup(self):
@@ -419,8 +492,9 @@ class Attention(nn.Module):
         encoded = encoded.reshape(b, t, n, h)  # [B, T, N, H]
 
         # Row-parallel: this device's heads' share of the output, summed over devices.
-        partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded)  # [B, T, D]
-        return cache, reduce_and_trace(self, partial)
+        rotated = self.reduction.rotated((b, t, c.embed_dim), x.dtype)
+        partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded, rotated=rotated)  # [B, T, D]
+        return cache, reduce_and_trace(self, partial, rotated)
 
 
 class FeedForward(nn.Module):
@@ -429,7 +503,7 @@ class FeedForward(nn.Module):
 
     config: Gemma3Config
     layout: ShardLayout
-    all_reduce: AllReduce
+    reduction: RowParallelReduction
     axis_name: str
 
     @nn.compact
@@ -445,9 +519,10 @@ class FeedForward(nn.Module):
             gate = jnp.einsum("BTD,CDF->BTCF", x, w_gating)  # [B, T, 2, F]
         activations = nn.gelu(gate[..., 0, :]) * gate[..., 1, :]  # [B, T, F]
 
-        w_linear = self.param("linear", init, (f, d))
+        rotated = self.reduction.rotated((*x.shape[:-1], d), x.dtype)
+        w_linear = self.param("linear" + ROTATED if rotated else "linear", init, (f, d))
         partial = jnp.einsum("BTF,FD->BTD", activations, w_linear)  # [B, T, D]
-        return reduce_and_trace(self, partial)
+        return reduce_and_trace(self, partial, rotated)
 
 
 class Block(nn.Module):
@@ -456,16 +531,16 @@ class Block(nn.Module):
     config: Gemma3Config
     layout: ShardLayout
     attn_type: AttentionType
-    all_reduce: AllReduce
+    reduction: RowParallelReduction
     axis_name: str
 
     def setup(self):
         c = self.config
         self.pre_attention_norm = RMSNorm()
-        self.attn = Attention(c, self.layout, self.attn_type, self.all_reduce, self.axis_name)
+        self.attn = Attention(c, self.layout, self.attn_type, self.reduction, self.axis_name)
         self.post_attention_norm = RMSNorm() if c.use_post_attn_norm else None
         self.pre_ffw_norm = RMSNorm()
-        self.mlp = FeedForward(c, self.layout, self.all_reduce, self.axis_name)
+        self.mlp = FeedForward(c, self.layout, self.reduction, self.axis_name)
         self.post_ffw_norm = RMSNorm() if c.use_post_ffw_norm else None
 
     def __call__(
@@ -494,14 +569,14 @@ class Gemma3Shard(nn.Module):
 
     config: Gemma3Config
     layout: ShardLayout
-    all_reduce: AllReduce
+    reduction: RowParallelReduction
     axis_name: str = AXIS
 
     def setup(self):
         c = self.config
         self.embedder = Embedder(c.vocab_size, c.embed_dim)
         self.blocks = [
-            Block(c, self.layout, attn_type, self.all_reduce, self.axis_name, name=f"layer_{i}")
+            Block(c, self.layout, attn_type, self.reduction, self.axis_name, name=f"layer_{i}")
             for i, attn_type in enumerate(c.attention_types)
         ]
         self.final_norm = RMSNorm()
@@ -570,6 +645,9 @@ class TensorParallelGemma3:
     """Gemma 3 prefill, tensor-parallel over `mesh` axis `axis_name`, reducing row-parallel
     outputs with `all_reduce` (a registered name, e.g. "psum", "equarx-int8", or an instance).
 
+    `rotation` is the all-reduce's input rotation folded into the row-parallel weights (see
+    the module doc), or None: then parameters run as they are.
+
     Compiled functions are cached per instance (one per `last_only`, retraced per input
     shape/dtype), so reuse an instance.
     """
@@ -590,13 +668,20 @@ class TensorParallelGemma3:
         self.tp = mesh.shape[axis_name]
         self.layout = ShardLayout.create(config, self.tp)
         self.all_reduce = get_all_reduce(all_reduce)
-        self.param_specs = param_partition_specs(config, self.tp, axis_name=axis_name)
+        rotation = self.all_reduce.foldable_rotation
+        self.rotation = rotation if rotation and rotation.divides(config.embed_dim) else None
+        folded = self.rotation is not None
+        self.checkpoint_specs = param_partition_specs(config, self.tp, axis_name=axis_name)
+        self.param_specs = param_partition_specs(
+            config, self.tp, axis_name=axis_name, rotated_copies=folded
+        )
         self.cache_spec = cache_partition_spec(config, self.tp, axis_name=axis_name)
         self._cache_specs = {
             f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
             for i in range(config.num_layers)
         }
-        self._module = Gemma3Shard(config, self.layout, self.all_reduce, axis_name)
+        reduction = RowParallelReduction(self.all_reduce, folded)
+        self._module = Gemma3Shard(config, self.layout, reduction, axis_name)
         self._forward = {
             (last_only, capture): self._build(last_only, capture)
             for last_only in (False, True)
@@ -605,12 +690,24 @@ class TensorParallelGemma3:
         self._decode = self._build_decode()
 
     def param_shardings(self) -> Params:
-        """A NamedSharding for every parameter."""
+        """A NamedSharding for every parameter the model runs on (`param_specs`)."""
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs)
 
+    def checkpoint_shardings(self) -> Params:
+        """A NamedSharding for every checkpoint parameter (the tree of `param_shapes`)."""
+        return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.checkpoint_specs)
+
     def shard_params(self, params: Params) -> Params:
-        """Places (global) parameters on the mesh as `param_partition_specs` says."""
-        return jax.device_put(params, self.param_shardings())
+        """Places (global) checkpoint parameters on the mesh as `param_partition_specs` says,
+        and adds the rotated copies when the rotation is folded (`fold_params`)."""
+        return self.fold_params(jax.device_put(params, self.checkpoint_shardings()))
+
+    def fold_params(self, params: Params) -> Params:
+        """Checkpoint parameters (already placed) -> the ones this model runs on: with a folded
+        rotation, the same arrays plus the rotated copies (`fold_rotation`); else params."""
+        if self.rotation is None:
+            return params
+        return fold_rotation(params, self.rotation)
 
     def _build(self, last_only: bool, capture: bool):
 

@@ -16,9 +16,10 @@ Payload = tuple[jax.Array, jax.Array]
 
 # The reference, jitted: XLA compiles `absmax / 127` to a multiply by the reciprocal, as it does
 # in the kernel and in the collectives; op-by-op (eager) dispatch divides exactly instead.
-reference = jax.jit(bq.accumulate_quantize_reference)
+reference = jax.jit(bq.accumulate_quantize_reference, static_argnames="scale_dtype")
 kernel = functools.partial(bq.accumulate_quantize, interpret=True)
-xla = jax.jit(bq.accumulate_quantize_xla)  # the collectives' kernel="jnp" path
+# The collectives' kernel="jnp" path.
+xla = jax.jit(bq.accumulate_quantize_xla, static_argnames="scale_dtype")
 
 
 def random_rows(rng: np.random.Generator, rows: int, block: int, dtype=jnp.float32) -> jax.Array:
@@ -39,20 +40,22 @@ def random_payloads(rng: np.random.Generator, rows: int, block: int, k: int) -> 
 
 def assert_same_bits(got: Payload, want: Payload) -> None:
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
-    np.testing.assert_array_equal(
-        np.asarray(got[1]).view(np.uint32), np.asarray(want[1]).view(np.uint32)
-    )
+    assert got[1].dtype == want[1].dtype
+    bits = np.dtype(f"u{got[1].dtype.itemsize}")
+    np.testing.assert_array_equal(np.asarray(got[1]).view(bits), np.asarray(want[1]).view(bits))
 
 
-def check_kernel_matches_reference(rows: int, block: int, k: int, dtype) -> None:
+def check_kernel_matches_reference(
+    rows: int, block: int, k: int, dtype, scale_dtype=jnp.float32
+) -> None:
     rng = np.random.default_rng(rows * 1000 + block + k)
     local = random_rows(rng, rows, block, dtype)
-    received = random_payloads(rng, rows, block, k)
-    want = reference(local, received)
+    received = tuple((q, s.astype(scale_dtype)) for q, s in random_payloads(rng, rows, block, k))
+    want = reference(local, received, scale_dtype=scale_dtype)
     for quantize in (kernel, xla):
-        q, s = quantize(local, received)
+        q, s = quantize(local, received, scale_dtype=scale_dtype)
         assert q.shape == (rows, block) and q.dtype == jnp.int8
-        assert s.shape == (rows, 1) and s.dtype == jnp.float32
+        assert s.shape == (rows, 1) and s.dtype == scale_dtype
         assert_same_bits((q, s), want)
 
 
@@ -67,6 +70,31 @@ def test_kernels_match_reference_for_every_shape(rows: int, block: int, k: int):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
 def test_kernels_match_reference_for_every_dtype(dtype, k: int):
     check_kernel_matches_reference(96, 256, k, dtype)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+@pytest.mark.parametrize("rows", [8, 96])
+def test_kernels_match_reference_with_bfloat16_scales(rows: int, k: int):
+    check_kernel_matches_reference(rows, 32, k, jnp.bfloat16, scale_dtype=jnp.bfloat16)
+
+
+def test_bfloat16_scales_are_the_float32_ones_rounded_up():
+    x = random_rows(np.random.default_rng(5), 256, 32)
+    _, s32 = reference(x)
+    q16, s16 = reference(x, scale_dtype=jnp.bfloat16)
+    s32, s16 = np.asarray(s32, np.float64), np.asarray(s16, np.float64)
+    assert (s16 >= s32).all() and (s16 < s32 * (1 + 2**-7)).all()
+    assert (s16 > s32).mean() > 0.9  # almost no f32 scale is a bfloat16 number already
+    # No element clips, and the error stays within half of the (larger) step.
+    assert np.abs(np.asarray(q16)).max() <= bq.INT8_MAX
+    err = np.abs(np.asarray(x, np.float64) - np.asarray(bq.dequantize(q16, s16), np.float64))
+    assert (err <= s16 / 2 * (1 + 1e-5)).all()
+    # Values already in bfloat16 stay; others go to the next bfloat16 value up (8-bit
+    # significand: steps of 2^-7 between 1 and 2).
+    values = jnp.array([1.0, 1.0 + 2**-20, 1.5 - 2**-20, bq.FLOAT32_TINY], jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(bq.round_up_to_bfloat16(values)), [1.0, 1.0 + 2**-7, 1.5, bq.FLOAT32_TINY]
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float16])
@@ -150,10 +178,11 @@ def test_dequantize_of_the_nonfinite_code_is_nan():
     np.testing.assert_array_equal(deq[0, 1:], [-254.0, 0.0, 254.0])
 
 
-def test_kernel_lowers_to_a_mosaic_call_for_tpu():
+@pytest.mark.parametrize("scale_dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_lowers_to_a_mosaic_call_for_tpu(scale_dtype):
     local = jnp.zeros((64, 256), jnp.bfloat16)
-    received = ((jnp.zeros((64, 256), jnp.int8), jnp.ones((64, 1), jnp.float32)),)
-    f = lambda x, r: bq.accumulate_quantize(x, r, interpret=False)
+    received = ((jnp.zeros((64, 256), jnp.int8), jnp.ones((64, 1), scale_dtype)),)
+    f = lambda x, r: bq.accumulate_quantize(x, r, interpret=False, scale_dtype=scale_dtype)
     lowered = jax.jit(f).trace(local, received).lower(lowering_platforms=("tpu",))
     assert "tpu_custom_call" in lowered.as_text()
 
@@ -194,7 +223,7 @@ def _payload(shape=(32, 64), q_dtype=jnp.int8, scale_shape=(32, 1), scale_dtype=
         ((32, 64), (_payload(q_dtype=jnp.int16),)),
         ((32, 64), (_payload(scale_shape=(32,)),)),
         ((32, 64), (_payload(scale_shape=(16, 1)),)),
-        ((32, 64), (_payload(scale_dtype=jnp.bfloat16),)),
+        ((32, 64), (_payload(scale_dtype=jnp.bfloat16),)),  # the default scales are f32
         ((32, 64), (_payload(), _payload(shape=(16, 64)))),
     ],
     ids=[

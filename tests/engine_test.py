@@ -11,6 +11,7 @@ import pytest
 from conftest import mesh_of
 
 from equarx_serve.collectives import get_all_reduce
+from equarx_serve.collectives.hadamard import HadamardRotation
 from equarx_serve.engine import MIN_BUCKET, PrefillEngine, length_buckets
 from models.config import get_config
 from models.gemma3 import TensorParallelGemma3, init_params, mask_from_lengths
@@ -152,7 +153,7 @@ def test_capture_records_every_all_reduce_without_changing_the_logits():
             assert output.shape == (len(prompts), 16, CONFIG.embed_dim)
             assert layer[site]["error_sq"][0].shape == (len(prompts), 16)
             assert int(np.sum(layer[site]["nonfinite"][0])) == 0
-            # int8 with 256-element blocks: about 1% relative error, far above bf16 rounding.
+            # int8: about 1% relative error on this random-init model, far above bf16 rounding.
             assert 1e-3 < _relative_error(layer[site]) < 0.05
 
 
@@ -162,3 +163,89 @@ def test_capture_of_the_f32_reference_shows_only_bf16_rounding():
     for layer in traced.trace.values():
         for site in ("attn", "mlp"):
             assert _relative_error(layer[site]) < 2**-8  # one bf16 rounding of the exact sum
+
+
+# -- the all-reduce's rotation folded into the weights -------------------------------------------
+
+
+def _leaf_paths(tree) -> list[str]:
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return ["/".join(str(k.key) for k in path) for path, _ in paths]
+
+
+def test_engines_share_the_checkpoint_and_one_set_of_rotated_copies_per_rotation():
+    base = _engine()
+    folded = base.with_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0))
+    gated = base.with_all_reduce(get_all_reduce("equarx-int8"))  # the same rotation
+    other = base.with_all_reduce(get_all_reduce("equarx-int8", rotation_block=32))
+    inside = base.with_all_reduce(get_all_reduce("equarx-int8", fold_rotation=False))
+    plain = folded.with_all_reduce("psum")
+    assert folded.model.rotation == HadamardRotation(64) and inside.model.rotation is None
+    assert gated.params is folded.params and other.params is not folded.params
+    assert inside.params is base.params and plain.params is base.params
+    assert folded.checkpoint_params is base.checkpoint_params
+    # The checkpoint's arrays themselves, plus a rotated copy beside each row-parallel weight.
+    added = sorted(set(_leaf_paths(folded.params)) - set(_leaf_paths(base.params)))
+    assert added == sorted(
+        f"layer_{i}/{weight}"
+        for i in range(CONFIG.num_layers)
+        for weight in ("attn/attn_vec_einsum/w_rotated", "mlp/linear_rotated")
+    )
+    for path, leaf in jax.tree_util.tree_flatten_with_path(base.params)[0]:
+        node = folded.params
+        for key in path:
+            node = node[key.key]
+        assert node is leaf
+    for i in range(CONFIG.num_layers):
+        layer = folded.params[f"layer_{i}"]
+        for original, rotated in (
+            (layer["attn"]["attn_vec_einsum"]["w"], layer["attn"]["attn_vec_einsum"]["w_rotated"]),
+            (layer["mlp"]["linear"], layer["mlp"]["linear_rotated"]),
+        ):
+            assert rotated.sharding == original.sharding and rotated.dtype == original.dtype
+            np.testing.assert_allclose(
+                np.asarray(rotated), np.asarray(HadamardRotation(64).apply(original)), atol=1e-6
+            )
+
+
+def test_a_rotation_block_that_does_not_divide_the_width_is_not_folded():
+    wide = _engine().with_all_reduce(get_all_reduce("equarx-int8", rotation_block=128))
+    assert CONFIG.embed_dim % 128 and wide.model.rotation is None
+    assert wide.params is _engine().params  # the all-reduce rotates its input itself
+
+
+def test_a_folded_model_runs_gated_messages_on_the_original_weights():
+    """Messages below the size gate (here every one) use the checkpoint's weights and psum: the
+    folded model prefills and decodes with the bits of the plain one."""
+    base = _engine().with_all_reduce("psum")
+    folded = base.with_all_reduce(get_all_reduce("equarx-int8"))
+    assert folded.model.rotation is not None
+    prompts = _prompts(PROMPT_LENGTHS)
+    lengths = np.asarray(PROMPT_LENGTHS)
+    outputs = []
+    for engine in (base, folded):
+        result = engine.prefill(prompts)
+        step = engine.model.decode(engine.params, result.cache, np.array([7, 8, 9]), lengths)
+        outputs.append((np.asarray(result.logits), np.asarray(step.logits)))
+    (prefill, decode), (folded_prefill, folded_decode) = outputs
+    np.testing.assert_array_equal(folded_prefill, prefill)
+    np.testing.assert_array_equal(folded_decode, decode)
+
+
+def test_a_folded_model_runs_quantized_messages_on_the_rotated_weights():
+    """What the rotated copies change: with every message quantized, the folded model and the
+    one rotating inside the all-reduce compute the same function up to rounding (the int8
+    roundings of the two differ in a few elements, so: close, not equal)."""
+    base = _engine()
+    folded = base.with_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0))
+    inside = base.with_all_reduce(
+        get_all_reduce("equarx-int8", min_size_bytes=0, fold_rotation=False)
+    )
+    prompts = _prompts(PROMPT_LENGTHS)
+    plain = np.asarray(base.prefill(prompts).logits)
+    got = np.asarray(folded.prefill(prompts).logits)
+    want = np.asarray(inside.prefill(prompts).logits)
+    assert not np.array_equal(got, plain)  # quantized, so not psum's bits
+    scale = np.abs(plain).max()
+    assert np.abs(got - want).max() < 0.05 * scale
+    assert np.abs(got - plain).max() < 0.05 * scale

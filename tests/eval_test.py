@@ -27,6 +27,24 @@ def test_default_corpus_is_fixed_text_that_ships_with_python():
     assert first.num_chars > 100_000 and len(first.documents) > 50
 
 
+def test_the_second_corpus_is_the_standard_librarys_source_code():
+    code = corpus.named_corpus("python-stdlib")
+    assert code.sha256 == corpus.named_corpus("python-stdlib").sha256
+    assert code.sha256 != corpus.default_corpus().sha256
+    assert code.num_chars > 1_000_000 and len(code.documents) > 100
+    assert any(d.lstrip().startswith('"""') and "\ndef " in d for d in code.documents)
+    with pytest.raises(ValueError, match="python-reference, python-stdlib"):
+        corpus.named_corpus("wikipedia")
+
+
+def test_greedy_prompts_come_from_their_own_places_in_the_stream():
+    stream = np.arange(100, 200, dtype=np.int32)
+    prompts = corpus.greedy_prompts(stream, bos_id=2, prompt_len=5, count=4)
+    assert prompts == [[2, 100, 101, 102, 103], [2, 132, 133, 134, 135],
+                       [2, 164, 165, 166, 167], [2, 196, 197, 198, 199]]  # fmt: skip
+    assert len(corpus.greedy_prompts(stream, bos_id=2, prompt_len=5, count=99)) == 25
+
+
 def test_user_corpus_from_a_file_a_jsonl_file_and_a_folder(tmp_path):
     (tmp_path / "a.txt").write_text("first document")
     (tmp_path / "b.jsonl").write_text('{"text": "second"}\n\n{"text": "third"}\n')
@@ -77,11 +95,14 @@ def test_token_metrics_match_numpy():
     rng = np.random.default_rng(0)
     reference = rng.normal(size=(2, 4, 40)).astype(np.float32)
     method = reference + rng.normal(scale=0.3, size=reference.shape).astype(np.float32)
+    float32 = reference + rng.normal(scale=0.1, size=reference.shape).astype(np.float32)
     targets = rng.integers(0, 40, size=(2, 4)).astype(np.int32)
-    got = metrics.token_metrics(reference, method, targets)
+    got = metrics.token_metrics(metrics.baseline(reference, float32), method, targets)
 
-    log_p, log_q = _log_softmax(reference), _log_softmax(method)
+    log_p, log_q, log_f = _log_softmax(reference), _log_softmax(method), _log_softmax(float32)
     kl = (np.exp(log_p) * (log_p - log_q)).sum(-1)
+    kl_to_float32 = (np.exp(log_f) * (log_f - log_q)).sum(-1)
+    np.testing.assert_allclose(got["kl_to_float32"], kl_to_float32, rtol=1e-4, atol=1e-6)
     nll = -np.take_along_axis(log_q, targets[..., None], -1)[..., 0]
     top1 = reference.argmax(-1) == method.argmax(-1)
     np.testing.assert_allclose(got["kl"], kl, rtol=1e-4, atol=1e-6)
@@ -93,13 +114,14 @@ def test_token_metrics_match_numpy():
 
 def test_identical_logits_have_no_error_and_nan_is_counted():
     logits = np.random.default_rng(1).normal(size=(1, 3, 16)).astype(np.float32)
-    got = metrics.token_metrics(logits, logits, np.zeros((1, 3), np.int32))
+    base = metrics.baseline(logits, logits)
+    got = metrics.token_metrics(base, logits, np.zeros((1, 3), np.int32))
     np.testing.assert_allclose(got["kl"], 0.0, atol=1e-6)
     np.testing.assert_array_equal(got["top5"], 1.0)
     np.testing.assert_allclose(got["cosine"], 1.0, rtol=1e-6)
     broken = logits.copy()
     broken[0, 1, 3] = np.nan
-    got = metrics.token_metrics(logits, broken, np.zeros((1, 3), np.int32))
+    got = metrics.token_metrics(base, broken, np.zeros((1, 3), np.int32))
     np.testing.assert_array_equal(got["nonfinite"], [[0, 1, 0]])
 
 
@@ -107,16 +129,35 @@ def test_greedy_agreement_counts_tokens_before_the_first_divergence():
     result = metrics.greedy_agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 3, 4], [5, 9, 7, 8]])
     assert result["greedy_matched"] == [4, 1]
     assert result["greedy_matched_mean"] == 2.5
+    assert result["greedy_matched_stderr"] == pytest.approx(1.5)  # std (ddof 1) 2.12 / sqrt(2)
     assert result["greedy_identical"] == 0.5
+
+
+def test_numbers_relative_to_the_compute_floor():
+    floor = {"kl_mean": 0.002, "top1_agreement": 0.98}
+    method = {"kl_mean": 0.003, "top1_agreement": 0.97}
+    relative = metrics.relative_to_floor(method, floor)
+    assert relative["kl_mean_vs_floor"] == pytest.approx(1.5)
+    assert relative["top1_disagreement_vs_floor"] == pytest.approx(1.5)
+    assert relative["top1_agreement_below_floor"] == pytest.approx(0.01)
+    exact = {"kl_mean": 0.0, "top1_agreement": 1.0}
+    assert metrics.relative_to_floor(exact, exact)["kl_mean_vs_floor"] == 0
+    assert metrics.relative_to_floor(method, exact)["kl_mean_vs_floor"] == math.inf
 
 
 # -- gate ---------------------------------------------------------------------------------------
 
 REPORT = {
+    "compute_floor": {"kl_mean": 0.002, "top1_agreement": 0.98, "nonfinite": 0},
     "methods": {
         "psum": {"ppl_rel_change": 0.0, "top1_agreement": 1.0, "nonfinite": 0},
-        "equarx-int8": {"ppl_rel_change": 0.004, "top1_agreement": 0.97, "nonfinite": 0},
-    }
+        "equarx-int8": {
+            "ppl_rel_change": 0.004,
+            "top1_agreement": 0.97,
+            "kl_mean_vs_floor": 1.5,
+            "nonfinite": 0,
+        },
+    },
 }
 
 
@@ -141,6 +182,21 @@ def test_gate_passes_and_fails_on_each_limit(tmp_path):
     failed = checks["equarx-int8", "top1_agreement"]
     assert not failed.passed
     assert failed.describe().split()[:4] == ["FAIL", "equarx-int8", "top1_agreement", "0.97"]
+
+
+def test_gate_limits_relative_to_the_floor_and_on_the_floor_itself(tmp_path):
+    limits = gate.load_thresholds(
+        _thresholds(
+            tmp_path,
+            "[compute_floor]\nmin_kl_mean = 0.001\nmax_kl_mean = 0.0015\n"
+            '[methods."equarx-int8"]\nmax_kl_mean_vs_floor = 2.0\n',
+        )
+    )
+    assert gate.methods_named(limits) == ["equarx-int8"]
+    checks = {(c.method, c.limit.bound, c.limit.number): c for c in gate.check(REPORT, limits)}
+    assert checks["compute_floor", "min", "kl_mean"].passed
+    assert not checks["compute_floor", "max", "kl_mean"].passed
+    assert checks["equarx-int8", "max", "kl_mean_vs_floor"].passed
 
 
 def test_a_method_that_did_not_run_fails_its_checks(tmp_path):
@@ -175,18 +231,21 @@ TINY_FLAGS = ["--model", "tiny", "--tp", "2", "--seq-len", "40", "--num-seqs", "
 @functools.cache
 def _tiny_report():
     mesh_of(2)  # skips without 2 devices
-    methods = ("ring", "naive-int8", "equarx-int8", "equarx-int8:min_size_bytes=1048576")
+    methods = ("psum-f32", "ring", "naive-int8", "equarx-int8",
+               "equarx-int8:min_size_bytes=1048576")  # fmt: skip
     config = harness.EvalConfig(methods=tuple(parse_method(m) for m in methods), **TINY)
     return harness.run_eval(config)
 
 
-def test_report_holds_every_method_with_the_reference_first():
+def test_report_holds_every_method_with_the_reference_first_and_the_compute_floor():
     report = _tiny_report()
-    assert report["reference"] == "psum" and report["floor"] == "psum-f32"
+    assert report["reference"] == "psum"
     assert list(report["methods"])[:2] == ["psum", "psum-f32"]
-    for numbers in report["methods"].values():
+    for numbers in [*report["methods"].values(), report["compute_floor"]]:
         for key in ("perplexity", "ppl_rel_change", "kl_mean", "kl_p99", "top1_agreement",
-                    "top5_overlap", "logit_max_abs_error", "greedy_matched_mean"):  # fmt: skip
+                    "top5_overlap", "logit_max_abs_error", "greedy_matched_mean",
+                    "greedy_matched_stderr", "kl_mean_vs_floor",
+                    "top1_disagreement_vs_floor", "top1_agreement_below_floor"):  # fmt: skip
             assert math.isfinite(numbers[key]), key
         assert len(numbers["per_layer"]) == 2 * get_config("tiny").num_layers
         assert numbers["nonfinite"] == 0
@@ -194,10 +253,32 @@ def test_report_holds_every_method_with_the_reference_first():
     assert settings["scored_tokens"] == 3 * 39
     assert settings["corpus"]["sha256"] == corpus.default_corpus().sha256
     assert settings["methods"]["equarx-int8"]["options"]["min_size_bytes"] == 0
+    assert settings["compute_floor"] == {"dtype": "float32", "all_reduce": "psum"}
+    assert settings["greedy"]["prompts"] == TINY["greedy_prompts"]
     json.dumps(report)  # every number serializes
 
 
-def test_reference_against_itself_is_exact_and_lossless_methods_sit_at_the_floor():
+def test_the_compute_floor_is_the_float32_model_and_methods_are_measured_against_it():
+    report = _tiny_report()
+    floor, methods = report["compute_floor"], report["methods"]
+    # bf16 arithmetic alone moves the logits: a nonzero floor, larger than bf16 psum vs f32
+    # psum on the same bf16 model (which XLA:CPU computes identically).
+    assert floor["kl_mean"] > 1e-6 and floor["kl_mean_vs_floor"] == 1
+    assert floor["final_layer_error"] > methods["psum-f32"]["final_layer_error"]
+    equarx = methods["equarx-int8"]
+    assert equarx["kl_mean_vs_floor"] == pytest.approx(equarx["kl_mean"] / floor["kl_mean"])
+    assert equarx["top1_agreement_below_floor"] == pytest.approx(
+        floor["top1_agreement"] - equarx["top1_agreement"]
+    )
+    assert methods["psum"]["kl_mean_vs_floor"] == 0
+    # Against the float32 model itself: the floor is at 0, the reference at about the floor's
+    # KL (the other direction), a quantized method further away.
+    assert floor["kl_to_float32"] == pytest.approx(0, abs=1e-6)
+    assert methods["psum"]["kl_to_float32"] == pytest.approx(floor["kl_mean"], rel=0.5)
+    assert equarx["kl_to_float32"] > methods["psum"]["kl_to_float32"]
+
+
+def test_reference_against_itself_is_exact_and_lossless_methods_match_it():
     methods = _tiny_report()["methods"]
     reference = methods["psum"]
     assert reference["kl_mean"] == 0 and reference["top1_agreement"] == 1
@@ -237,7 +318,8 @@ def test_cli_gate_exit_codes_and_reports(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "PASS  equarx-int8" in printed and "0 failed" in printed
     report = json.loads((out / "e.json").read_text())
-    assert set(report["methods"]) == {"psum", "psum-f32", "equarx-int8"}  # added by the gate
+    assert set(report["methods"]) == {"psum", "equarx-int8"}  # added by the gate
+    assert report["compute_floor"]["kl_mean_vs_floor"] == 1
     assert "| equarx-int8 |" in (out / "e.md").read_text()
     assert (out / "e.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -253,6 +335,8 @@ def test_cli_gate_exit_codes_and_reports(tmp_path, capsys):
         (["--methods", "psum", "psum"], "more than once"),
         (["--methods", "no-such-reduce"], "unknown all-reduce"),
         (["--text", "missing-dir"], "no such file or folder"),
+        (["--text", "x.txt", "--corpus", "python-stdlib"], "not allowed with"),
+        (["--corpus", "wikipedia"], "invalid choice"),
         (["--seq-len", "40000"], "longer than Gemma 3's context"),
         (["--tp", "3"], "3"),
     ],
@@ -264,10 +348,17 @@ def test_cli_rejects_bad_input_with_a_usage_error(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["thresholds.toml", "thresholds-quick.toml"])
-def test_the_repos_thresholds_files_are_valid(name):
+@pytest.mark.parametrize(
+    ("name", "methods"),
+    [
+        ("thresholds.toml", {"equarx-int8"}),
+        ("thresholds-quick.toml", {"equarx-int8", "naive-int8"}),
+    ],
+)
+def test_the_repos_thresholds_files_are_valid(name, methods):
     limits = gate.load_thresholds(Path(__file__).parent.parent / "eval" / name)
-    assert {"equarx-int8", "psum-f32", "naive-int8"} <= set(gate.methods_named(limits))
+    assert set(gate.methods_named(limits)) == methods
+    assert {limit.number for limit in limits if limit.method == gate.FLOOR} >= {"kl_mean"}
 
 
 def test_stopping_early_or_late_is_a_divergence():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -18,11 +19,13 @@ from conftest import AXIS, mesh_of
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from equarx_serve.collectives import get_all_reduce
+from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.collectives.hadamard import HadamardRotation, hadamard_matrix
 from models.config import AttentionType, Gemma3Config, get_config
 from models.gemma3 import (
     TensorParallelGemma3,
     cache_partition_spec,
+    fold_rotation,
     init_params,
     last_token_index,
     mask_from_lengths,
@@ -384,3 +387,97 @@ def test_released_configs_trace(name, tp):
     assert out.logits.shape == (2, config.vocab_size) and out.logits.dtype == jnp.bfloat16
     k = out.cache[f"layer_{config.num_layers - 1}"]["k"]
     assert k.shape == (2, 32, config.num_kv_heads, config.head_dim)
+
+
+# -- the all-reduce's rotation folded into the row-parallel weights -------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatingPsum(AllReduce):
+    """A test double for a quantized all-reduce with a foldable rotation that sums exactly (f32
+    psum of the rotated input, rotated back): with it, folding may only change float rounding.
+    (equarx-int8's own rotated-input path gives the bits of its in-collective rotation on the
+    same rotated values: collectives_test.)"""
+
+    name: ClassVar[str] = "test-rotating-psum"
+    quantized: ClassVar[bool] = True  # so that the model folds, and picks the rotated weights
+    rotation: ClassVar[HadamardRotation] = HadamardRotation(32)
+
+    foldable: bool = True
+    rotated_input: bool = False
+
+    @property
+    def foldable_rotation(self) -> HadamardRotation | None:
+        return self.rotation if self.foldable else None
+
+    def with_rotated_input(self) -> AllReduce:
+        return dataclasses.replace(self, rotated_input=True)
+
+    def reduce(self, x, axis_name, axis_size):
+        x32 = x.astype(jnp.float32)
+        rotated = x32 if self.rotated_input else self.rotation.apply(x32)
+        return self.rotation.apply(jax.lax.psum(rotated, axis_name)).astype(x.dtype)
+
+    def exact_sum(self, x, axis_name):
+        exact = super().exact_sum(x, axis_name)
+        return self.rotation.apply(exact) if self.rotated_input else exact
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_folded_rotation_gives_the_logits_of_rotating_inside_the_all_reduce(tp):
+    config, tokens_mask = config_of("tiny"), batch_of("tiny")
+    models = {
+        label: TensorParallelGemma3(config, mesh_of(tp), ar)
+        for label, ar in (
+            ("folded", RotatingPsum()),
+            ("inside", RotatingPsum(foldable=False)),
+            ("plain", get_all_reduce("psum-f32")),
+        )
+    }
+    assert models["folded"].rotation == RotatingPsum.rotation
+    assert models["inside"].rotation is None and models["plain"].rotation is None
+    out = {}
+    for label, model in models.items():
+        params = model.shard_params(params_of("tiny"))
+        out[label] = model(params, *tokens_mask, capture=True)
+    report(f"tiny TP={tp} folded vs in-collective rotation", out["folded"].logits,
+           out["inside"].logits)  # fmt: skip
+    for other in ("inside", "plain"):
+        np.testing.assert_allclose(
+            np.asarray(out["folded"].logits), np.asarray(out[other].logits), atol=2e-5, rtol=2e-5
+        )
+    # The folded model really runs on the rotated copies: zero them and its logits change.
+    folded = models["folded"]
+    params = folded.shard_params(params_of("tiny"))
+    zeroed = jax.tree_util.tree_map_with_path(
+        lambda path, w: jnp.zeros_like(w) if path[-1].key.endswith("_rotated") else w, params
+    )
+    broken = folded(zeroed, *tokens_mask).logits
+    assert not np.allclose(np.asarray(broken), np.asarray(out["folded"].logits), atol=1e-2)
+    # The trace's exact sum is rotated back too: the born error is float rounding only.
+    for layer in out["folded"].trace.values():
+        for site in layer.values():
+            error = np.sum(site["error_sq"][0]) / np.sum(site["exact_sq"][0])
+            assert error < 1e-10
+
+
+def test_folding_adds_rotated_copies_of_the_row_parallel_weights_only():
+    config = config_of("tiny")
+    params = params_of("tiny")
+    folded = fold_rotation(params, HadamardRotation(32))
+    h = np.kron(np.eye(config.embed_dim // 32), hadamard_matrix(32) / np.sqrt(32))  # [D, D]
+    for i in range(config.num_layers):
+        layer, folded_layer = params[f"layer_{i}"], folded[f"layer_{i}"]
+        linear = layer["mlp"]["linear"]
+        assert folded_layer["mlp"]["linear"] is linear
+        np.testing.assert_allclose(
+            np.asarray(folded_layer["mlp"]["linear_rotated"]), linear @ h, atol=1e-6
+        )
+        attn = folded_layer["attn"]["attn_vec_einsum"]
+        assert attn["w"] is layer["attn"]["attn_vec_einsum"]["w"]  # [N, H, D]
+        np.testing.assert_allclose(np.asarray(attn["w_rotated"]), attn["w"] @ h, atol=1e-6)
+        assert folded_layer["mlp"]["gating_einsum"] is layer["mlp"]["gating_einsum"]
+        assert "linear_rotated" not in layer["mlp"]  # the input tree is left as it was
+    assert folded["embedder"]["input_embedding"] is params["embedder"]["input_embedding"]
+    specs = param_partition_specs(config, 2, rotated_copies=True)["layer_0"]
+    assert specs["mlp"]["linear_rotated"] == specs["mlp"]["linear"] == P(AXIS, None)

@@ -12,6 +12,10 @@ and `wire_bytes`. What callers need to know without running one is part of the i
 `quantized` (the wire format is lossy) and `is_gated(num_elements, dtype)` (a message of that
 size goes to the plain collective instead, e.g. a size gate), so `quantizes(...)` says whether a
 given message is actually quantized; `ungated()` is the same method with any gate turned off.
+A method that rotates its input before quantizing (`equarx-int8`'s Hadamard) says so with
+`foldable_rotation`; a model may fold that rotation into the weights that produce the input and
+reduce with `with_rotated_input()`, which applies only the inverse. `exact_sum` is the f32
+value an all-reduce approximates, for measuring its error.
 Users add their own with `register_all_reduce` (`registry.py`).
 """
 
@@ -19,13 +23,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from equarx_serve.collectives.registry import register_all_reduce
+
+if TYPE_CHECKING:
+    from equarx_serve.collectives.hadamard import HadamardRotation
 
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -86,6 +93,22 @@ class AllReduce:
     def ungated(self) -> AllReduce:
         """This method with its gate off (every message goes through it); itself if none."""
         return self
+
+    @property
+    def foldable_rotation(self) -> HadamardRotation | None:
+        """The orthonormal rotation this method applies to its input and lets its caller fold
+        into the weights producing that input (then reduce with `with_rotated_input()`); None
+        when there is none."""
+        return None
+
+    def with_rotated_input(self) -> AllReduce:
+        """This method for inputs already rotated by `foldable_rotation`: the same sum, the
+        forward transform skipped, only the inverse applied to the result."""
+        raise ValueError(f"{self.name} has no input rotation to fold")
+
+    def exact_sum(self, x: jax.Array, axis_name: str) -> jax.Array:
+        """The f32 value this all-reduce of `x` approximates: `psum` of x in f32."""
+        return lax.psum(x.astype(jnp.float32), axis_name)
 
 
 def ring_all_reduce_bytes(operand_bytes: int, axis_size: int) -> int:

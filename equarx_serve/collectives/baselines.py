@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx_serve.collectives.base import AllReduce, check_float_dtype
 from equarx_serve.collectives.registry import register_all_reduce
-from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce, take_chunk
+from equarx_serve.collectives.ring import RingAllReduce, take_chunk
 from equarx_serve.kernels.block_quantize import FLOAT32_TINY, INT8_MAX
 
 _RAW_BITS = {2: jnp.uint16, 4: jnp.uint32}
@@ -54,50 +53,24 @@ class RawBitsCodec:
 
 @register_all_reduce
 @dataclasses.dataclass(frozen=True)
-class Ring(AllReduce):
+class Ring(RingAllReduce):
     """Pipelined ring all-reduce with unquantized payloads in the input dtype."""
 
     name: ClassVar[str] = "ring"
+    lane_block: ClassVar[int] = _LANE_BLOCK
 
-    schedule: Literal["ring", "two-shot"] = "two-shot"
+    schedule: Literal["auto", "ring", "two-shot", "one-shot"] = "auto"  # as equarx-int8's
     bidirectional: bool = False
     num_slices: int = 1
 
     def __post_init__(self):
-        if self.schedule not in ("ring", "two-shot"):
-            raise ValueError(f"schedule must be 'ring' or 'two-shot', got {self.schedule!r}")
-        if not isinstance(self.bidirectional, bool):
-            raise ValueError(f"bidirectional must be a bool, got {self.bidirectional!r}")
-        if not isinstance(self.num_slices, int) or self.num_slices < 1:
-            raise ValueError(f"num_slices must be an int >= 1, got {self.num_slices!r}")
+        self.check_lane_options()
 
-    def _layout(self, size: int, axis_size: int) -> LaneLayout:
-        return LaneLayout.create(
-            size,
-            axis_size,
-            directions=2 if self.bidirectional else 1,
-            num_slices=self.num_slices,
-            block_size=_LANE_BLOCK,
-        )
+    def codec(self, dtype: jnp.dtype) -> RawBitsCodec:
+        return RawBitsCodec(dtype)
 
-    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
-        check_float_dtype(x, self.name)
-        layout = self._layout(x.size, axis_size)
-        with jax.named_scope(f"ring_{self.schedule}"):
-            reduced = pipelined_all_reduce(
-                layout.to_lanes(x),
-                axis_name,
-                RawBitsCodec(x.dtype),
-                schedule=self.schedule,
-                out_dtype=x.dtype,
-            )
-        return layout.from_lanes(reduced, x.shape)
-
-    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
-        if axis_size == 1:
-            return 0
-        per_chunk = self._layout(num_elements, axis_size).padded_size // axis_size
-        return 2 * (axis_size - 1) * per_chunk * jnp.dtype(dtype).itemsize
+    def payload_bytes(self, num_elements: int, dtype: jnp.dtype) -> int:
+        return num_elements * jnp.dtype(dtype).itemsize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,32 +101,18 @@ class PerTensorInt8Codec:
 
 @register_all_reduce
 @dataclasses.dataclass(frozen=True)
-class NaiveInt8(AllReduce):
+class NaiveInt8(RingAllReduce):
     """Per-tensor-scale int8 ring, re-quantized and summed in the input dtype at every hop."""
 
     name: ClassVar[str] = "naive-int8"
     quantized: ClassVar[bool] = True
+    lane_block: ClassVar[int] = _LANE_BLOCK
+    schedule: ClassVar[str] = "ring"
+    bidirectional: ClassVar[bool] = False
+    num_slices: ClassVar[int] = 1
 
-    def _layout(self, size: int, axis_size: int) -> LaneLayout:
-        return LaneLayout.create(
-            size, axis_size, directions=1, num_slices=1, block_size=_LANE_BLOCK
-        )
+    def codec(self, dtype: jnp.dtype) -> PerTensorInt8Codec:
+        return PerTensorInt8Codec(dtype)
 
-    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
-        check_float_dtype(x, self.name)
-        layout = self._layout(x.size, axis_size)
-        with jax.named_scope("naive_int8_ring"):
-            reduced = pipelined_all_reduce(
-                layout.to_lanes(x),
-                axis_name,
-                PerTensorInt8Codec(x.dtype),
-                schedule="ring",
-                out_dtype=x.dtype,
-            )
-        return layout.from_lanes(reduced, x.shape)
-
-    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
-        if axis_size == 1:
-            return 0
-        per_chunk = self._layout(num_elements, axis_size).padded_size // axis_size
-        return 2 * (axis_size - 1) * (per_chunk + 4)
+    def payload_bytes(self, num_elements: int, dtype: jnp.dtype) -> int:
+        return num_elements + 4  # int8 values and one f32 scale

@@ -2,32 +2,45 @@
 
 Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
   1. Size gate: messages smaller than `min_size_bytes` use `lax.psum` (quantizing cannot pay).
-  2. Flatten, optionally rotate every block of B elements with an orthonormal Hadamard
-     transform (`rotation="hadamard"`), pad to whole blocks and chunks, cut into
-     `[directions, num_slices, N, rows, B]` lanes (see `ring.py`).
-  3. Reduce-scatter with `ppermute`. Wire payload: int8 values plus one f32 scale per block of
-     B elements (symmetric absmax, round to nearest, clamp to [-127, 127], floored scale).
-     Every receiver dequantizes and accumulates in f32; nothing is ever summed in int8.
-       schedule="ring":     N-1 hops, the running partial sum re-quantized at each hop
-                            (the paper's TPU ring; error grows slowly with N).
-       schedule="two-shot": each device quantizes its contribution once and sends chunk j to
-                            device j; the owner sums in f32 (every element quantized exactly
-                            twice, whatever N; better on switched networks).
-  4. All-gather (N-1 hops): each owner quantizes its reduced chunk once; the int8 payload is
+  2. Flatten; rotate every group of `rotation_block` elements (default: the block size) with
+     an orthonormal Hadamard transform (`rotation="hadamard"`, the default; in f32), pad to
+     whole blocks and chunks, cut into `[directions, num_slices, N, rows, B]` lanes (`ring.py`).
+  3. Quantize blocks of B elements (default 64): int8 values plus one scale per block
+     (symmetric absmax, round to nearest, clamp to [-127, 127], floored; f32, or bf16 rounded
+     up with `scale_dtype="bfloat16"`). Every receiver dequantizes and accumulates in f32;
+     nothing is ever summed in int8. The schedules (`schedule`, see `ring.py`):
+       "one-shot": every device sends its whole quantized message to every other; each sums
+                   all N dequantized contributions, its own too, in rank order (each element
+                   quantized once; one step; N/2 times the others' bytes).
+       "two-shot": reduce-scatter, each device quantizes its contribution once and sends
+                   chunk j to device j; the owner sums in f32; then an all-gather (each
+                   element quantized exactly twice, whatever N).
+       "ring":     reduce-scatter over N-1 hops, the running partial sum re-quantized at each
+                   (the paper's TPU ring; error grows slowly with N); then an all-gather.
+       "auto":     (default) one-shot over 2 devices, where it sends two-shot's bytes;
+                   two-shot over more.
+     In the all-gathers each owner quantizes its reduced chunk once and the int8 payload is
      forwarded unchanged; every device, the owner too, dequantizes the same bytes, so all
-     replicas are bit-identical.
-  5. Crop, un-rotate, cast back to the input dtype.
+     replicas are bit-identical (in one-shot every device sums the same payloads in the same
+     order).
+  4. Crop, rotate back (the transform is its own inverse), cast back to the input dtype.
+
+Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
+rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`
+(`RotatedInput`): then step 2 has no transform and only the inverse of step 4 runs.
 
 Quantize/dequantize-accumulate is one fused step (`kernels/block_quantize.py`): a Pallas kernel
 on TPU/GPU (`kernel="auto"` or `"pallas"`; interpreted on CPU) or the same math in `jnp`, which
 XLA fuses, on CPU (`kernel="auto"` or `"jnp"`).
 
-Cost in bytes each device puts on the wire, for L elements (padded to L'):
-    2 (N-1)/N * L' * (1 + 4/B)          e.g. B = 256: 0.508x of a 16-bit ring, 0.254x of f32.
+Cost in bytes each device puts on the wire, for L elements (padded to L') and scales of c bytes:
+    2 (N-1)/N * L' * (1 + c/B)          ring, two-shot, and one-shot at N = 2
+    (N-1) * L' * (1 + c/B)              one-shot
+  e.g. B = 64, c = 4 (the default): 0.531x of a 16-bit ring, 0.266x of f32; B = 256: 0.508x.
 
 Non-finite inputs: a NaN or Inf element is carried as the int8 code -128 and comes out as NaN
 in that output element only (its block's other elements keep their precision). With the
-Hadamard rotation on, it spreads to the B elements of its rotation block. Both are non-finite
+Hadamard rotation on, it spreads to the elements of its rotation block. Both are non-finite
 where `psum` is; an Inf comes out as NaN because the int8 payload carries no sign for it.
 """
 
@@ -38,11 +51,12 @@ from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from equarx_serve.collectives.base import AllReduce, check_float_dtype
-from equarx_serve.collectives.hadamard import block_hadamard
+from equarx_serve.collectives.base import AllReduce, check_float_dtype, ring_all_reduce_bytes
+from equarx_serve.collectives.hadamard import HadamardRotation
 from equarx_serve.collectives.registry import register_all_reduce
-from equarx_serve.collectives.ring import LaneLayout, pipelined_all_reduce, take_chunk
+from equarx_serve.collectives.ring import RingAllReduce, take_chunk
 from equarx_serve.kernels import block_quantize
 
 # The gate falls back to psum, so it sits where the quantized path starts to beat psum.
@@ -51,56 +65,87 @@ from equarx_serve.kernels import block_quantize
 # fixed cost of 2(N-1) collectives and the quantize passes outweighs the bytes saved.
 DEFAULT_MIN_SIZE_BYTES = 1 << 20
 
-SCHEDULES = ("ring", "two-shot")
 ROTATIONS = (None, "hadamard")
 KERNELS = ("auto", "pallas", "jnp")
+SCALE_DTYPES = ("float32", "bfloat16")
+# 16-bit scales travel as raw bits: XLA:CPU would widen a bfloat16 collective to f32.
+_SCALE_WIRE = {"float32": None, "bfloat16": jnp.uint16}
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockInt8Codec:
-    """int8 values + one f32 scale per row of B elements; accumulation in f32."""
+    """int8 values + one scale (f32 or bf16) per row of B elements; accumulation in f32."""
 
     use_pallas: bool
     interpret: bool
+    scale_dtype: str
+
+    def _to_wire(self, payload: tuple) -> tuple:
+        q, scale = payload
+        wire = _SCALE_WIRE[self.scale_dtype]
+        return (q, scale) if wire is None else (q, lax.bitcast_convert_type(scale, wire))
+
+    def _from_wire(self, payload: tuple) -> tuple:
+        q, scale = payload
+        if _SCALE_WIRE[self.scale_dtype] is None:
+            return q, scale
+        return q, lax.bitcast_convert_type(scale, jnp.dtype(self.scale_dtype))
 
     def _accumulate_quantize(self, local: jax.Array, received: tuple) -> tuple:
         lead, (rows, block) = local.shape[:-2], local.shape[-2:]
         flat_local = local.reshape(-1, block)
-        flat_received = tuple((q.reshape(-1, block), s.reshape(-1, 1)) for q, s in received)
+        flat_received = tuple(
+            (q.reshape(-1, block), s.reshape(-1, 1))
+            for q, s in (self._from_wire(payload) for payload in received)
+        )
         if self.use_pallas:
             q, s = block_quantize.accumulate_quantize(
-                flat_local, flat_received, interpret=self.interpret
+                flat_local, flat_received, interpret=self.interpret, scale_dtype=self.scale_dtype
             )
         else:
-            q, s = block_quantize.accumulate_quantize_xla(flat_local, flat_received)
-        return q.reshape(*lead, rows, block), s.reshape(*lead, rows, 1)
+            q, s = block_quantize.accumulate_quantize_xla(
+                flat_local, flat_received, scale_dtype=self.scale_dtype
+            )
+        return self._to_wire((q.reshape(*lead, rows, block), s.reshape(*lead, rows, 1)))
 
     def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple:
         if self.use_pallas:
             return self._accumulate_quantize(take_chunk(lane, index), ())
-        return block_quantize.quantize_chunk_xla(lane, index)
+        payload = block_quantize.quantize_chunk_xla(lane, index, scale_dtype=self.scale_dtype)
+        return self._to_wire(payload)
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple:
         return self._accumulate_quantize(local, received)
 
     def decode(self, payload: tuple, dtype: jnp.dtype) -> jax.Array:
-        return block_quantize.dequantize(*payload).astype(dtype)
+        return block_quantize.dequantize(*self._from_wire(payload)).astype(dtype)
 
 
 @register_all_reduce
 @dataclasses.dataclass(frozen=True)
-class EquarxInt8(AllReduce):
+class EquarxInt8(RingAllReduce):
     """EQuARX int8 all-reduce; see the module docstring. Options are validated on creation."""
 
     name: ClassVar[str] = "equarx-int8"
     quantized: ClassVar[bool] = True
 
-    block_size: int = 256
-    # two-shot: the ring's bytes, and error that does not grow with N (0.96% vs 1.50% relative
-    # RMS at N = 8 on Gaussian data); "ring" keeps every transfer to a neighbour (TPU torus).
-    schedule: Literal["ring", "two-shot"] = "two-shot"
-    # hadamard: ~10x less error with outlier channels; ~4x the all-reduce time on CPU.
-    rotation: Literal["hadamard"] | None = None
+    block_size: int = 64
+    # bfloat16: 2 scale bytes per block instead of 4 (block 32 + bfloat16 sends what block 64 +
+    # float32 does), rounded up so that no element clips.
+    scale_dtype: Literal["float32", "bfloat16"] = "float32"
+    # hadamard: spreads outlier channels over the rotation block before quantizing.
+    rotation: Literal["hadamard"] | None = "hadamard"
+    # Elements per Hadamard block (a power of two; None: block_size). 64 and 128 divide the
+    # width of every Gemma 3 model, so the model can fold the transform into its weights.
+    rotation_block: int | None = None
+    # Let a model fold the forward rotation into the weights that produce this all-reduce's
+    # input (`models.gemma3`: then only the inverse runs here). Called on its own (a user's
+    # shard_map) the all-reduce always rotates its input itself.
+    fold_rotation: bool = True
+    # auto: one-shot over 2 devices (two-shot's bytes in one step, each element quantized once
+    # instead of twice), two-shot over more (the ring's bytes, error that does not grow with
+    # N); "ring" keeps every transfer to a neighbour (TPU torus). See ring.py.
+    schedule: Literal["auto", "ring", "two-shot", "one-shot"] = "auto"
     # More lanes (pipelining) measured slower on CPU (more, smaller ops and collectives on 2
     # cores); on accelerators with async collectives try bidirectional=True, num_slices=2-4.
     bidirectional: bool = False
@@ -111,38 +156,57 @@ class EquarxInt8(AllReduce):
     def __post_init__(self):
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
-        if self.rotation == "hadamard" and self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"rotation='hadamard' needs a power-of-two block_size, got {self.block_size}"
-            )
         for field, value, valid in (
-            ("schedule", self.schedule, SCHEDULES),
+            ("scale_dtype", self.scale_dtype, SCALE_DTYPES),
             ("rotation", self.rotation, ROTATIONS),
             ("kernel", self.kernel, KERNELS),
         ):
             if value not in valid:
                 raise ValueError(f"{field} must be one of {valid}, got {value!r}")
-        if not isinstance(self.bidirectional, bool):
-            raise ValueError(f"bidirectional must be a bool, got {self.bidirectional!r}")
-        if not isinstance(self.num_slices, int) or self.num_slices < 1:
-            raise ValueError(f"num_slices must be an int >= 1, got {self.num_slices!r}")
+        if self.rotation is None and self.rotation_block is not None:
+            raise ValueError("rotation_block needs rotation='hadamard'")
+        if self.rotation is not None:
+            block = self.rotation_block or self.block_size
+            if not isinstance(block, int) or block < 1 or block & (block - 1):
+                which = "rotation_block" if self.rotation_block else "block_size"
+                raise ValueError(f"rotation='hadamard' needs a power-of-two {which}, got {block!r}")
+        if not isinstance(self.fold_rotation, bool):
+            raise ValueError(f"fold_rotation must be a bool, got {self.fold_rotation!r}")
+        self.check_lane_options()
         if not isinstance(self.min_size_bytes, int) or self.min_size_bytes < 0:
             raise ValueError(f"min_size_bytes must be an int >= 0, got {self.min_size_bytes!r}")
 
-    def _codec(self) -> BlockInt8Codec:
+    @property
+    def lane_block(self) -> int:
+        return self.block_size
+
+    def pad_rows(self, rows: int) -> int:
+        return block_quantize.padded_rows(rows)
+
+    def codec(self, dtype: jnp.dtype) -> BlockInt8Codec:
         backend = jax.default_backend()
         use_pallas = self.kernel == "pallas" or (self.kernel == "auto" and backend != "cpu")
-        return BlockInt8Codec(use_pallas=use_pallas, interpret=backend == "cpu")
+        return BlockInt8Codec(use_pallas, interpret=backend == "cpu", scale_dtype=self.scale_dtype)
 
-    def _layout(self, size: int, axis_size: int) -> LaneLayout:
-        return LaneLayout.create(
-            size,
-            axis_size,
-            directions=2 if self.bidirectional else 1,
-            num_slices=self.num_slices,
-            block_size=self.block_size,
-            pad_rows=block_quantize.padded_rows,
-        )
+    def payload_bytes(self, num_elements: int, dtype: jnp.dtype) -> int:
+        scale_bytes = jnp.dtype(self.scale_dtype).itemsize
+        return num_elements + scale_bytes * num_elements // self.block_size
+
+    @property
+    def input_rotation(self) -> HadamardRotation | None:
+        """The orthonormal transform applied to every input before it is quantized."""
+        if self.rotation is None:
+            return None
+        return HadamardRotation(self.rotation_block or self.block_size)
+
+    @property
+    def foldable_rotation(self) -> HadamardRotation | None:
+        return self.input_rotation if self.fold_rotation else None
+
+    def with_rotated_input(self) -> RotatedInput:
+        if self.input_rotation is None:
+            raise ValueError(f"{self.name} with rotation=None has no input rotation to fold")
+        return RotatedInput(self)
 
     def is_gated(self, num_elements: int, dtype: jnp.dtype) -> bool:
         """True when a message this size goes to plain `psum` (the size gate)."""
@@ -151,28 +215,77 @@ class EquarxInt8(AllReduce):
     def ungated(self) -> EquarxInt8:
         return dataclasses.replace(self, min_size_bytes=0)
 
+    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
+        if axis_size > 1 and self.is_gated(num_elements, dtype):
+            return AllReduce.wire_bytes(self, num_elements, dtype, axis_size)  # psum
+        return super().wire_bytes(num_elements, dtype, axis_size)
+
     def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
         check_float_dtype(x, self.name)
         if self.is_gated(x.size, x.dtype):
-            return super().reduce(x, axis_name, axis_size)
-        layout = self._layout(x.size, axis_size)
-        lanes = layout.to_lanes(x.astype(jnp.float32) if self.rotation else x)
-        if self.rotation:
-            lanes = block_hadamard(lanes)
-        out_dtype = jnp.float32 if self.rotation else x.dtype
-        with jax.named_scope(f"equarx_int8_{self.schedule}"):
-            reduced = pipelined_all_reduce(
-                lanes, axis_name, self._codec(), schedule=self.schedule, out_dtype=out_dtype
+            return lax.psum(x, axis_name)
+        rotation = self.input_rotation
+        if rotation is None:
+            return self.ring_reduce(x, axis_name, axis_size, x.dtype)
+        # Rotate the flat message, zero-padded to whole rotation blocks, into f32.
+        flat = x.reshape(-1)
+        padded = -(-flat.size // rotation.block) * rotation.block
+        rotated = rotation.apply(jnp.pad(flat, (0, padded - flat.size)), out_dtype=jnp.float32)
+        reduced = self.ring_reduce(rotated, axis_name, axis_size, jnp.float32)
+        return rotation.apply(reduced, out_dtype=x.dtype)[: x.size].reshape(x.shape)
+
+    def reduce_rotated_input(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        """The sum of inputs already rotated along their last axis by `input_rotation`, rotated
+        back. Gated messages are summed by `psum` in f32, so the result is rounded once."""
+        check_float_dtype(x, self.name)
+        if self.is_gated(x.size, x.dtype):
+            reduced = lax.psum(x.astype(jnp.float32), axis_name)
+        else:
+            reduced = self.ring_reduce(x, axis_name, axis_size, jnp.float32)
+        return self.input_rotation.apply(reduced, out_dtype=x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RotatedInput(AllReduce):
+    """`method` for inputs whose forward rotation the caller folded into the weights that
+    produce them (`models.gemma3`): `y = ar(x_rotated, axis)` skips the forward transform and
+    applies only the inverse to the reduced result, on every path a message can take (the
+    size gate's psum too). Built by `EquarxInt8.with_rotated_input()`; not registered."""
+
+    name: ClassVar[str] = EquarxInt8.name
+    quantized: ClassVar[bool] = True
+
+    method: EquarxInt8
+
+    def __post_init__(self):
+        if self.method.input_rotation is None:
+            raise ValueError("RotatedInput needs a method with an input rotation")
+
+    @property
+    def rotation(self) -> HadamardRotation:
+        return self.method.input_rotation
+
+    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        if not self.rotation.divides(x.shape[-1] if x.ndim else 1):
+            raise ValueError(
+                f"a rotated input's last axis must be a multiple of the rotation block "
+                f"{self.rotation.block}, got shape {x.shape}"
             )
-        if self.rotation:
-            reduced = block_hadamard(reduced)
-        return layout.from_lanes(reduced, x.shape).astype(x.dtype)
+        return self.method.reduce_rotated_input(x, axis_name, axis_size)
+
+    def exact_sum(self, x: jax.Array, axis_name: str) -> jax.Array:
+        return self.rotation.apply(super().exact_sum(x, axis_name))
+
+    def options(self) -> dict[str, object]:
+        return self.method.options()
+
+    def is_gated(self, num_elements: int, dtype: jnp.dtype) -> bool:
+        return self.method.is_gated(num_elements, dtype)
+
+    def ungated(self) -> RotatedInput:
+        return RotatedInput(self.method.ungated())
 
     def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
-        if axis_size == 1:
-            return 0
-        if self.is_gated(num_elements, dtype):
-            return super().wire_bytes(num_elements, dtype, axis_size)
-        layout = self._layout(num_elements, axis_size)
-        per_chunk = layout.padded_size // axis_size  # elements of one chunk, all lanes
-        return 2 * (axis_size - 1) * (per_chunk + 4 * per_chunk // self.block_size)
+        if axis_size > 1 and self.is_gated(num_elements, dtype):
+            return ring_all_reduce_bytes(num_elements * 4, axis_size)  # psum in f32
+        return self.method.wire_bytes(num_elements, dtype, axis_size)

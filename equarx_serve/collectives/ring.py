@@ -18,19 +18,37 @@ Then a ring all-gather (N-1 hops): each owner encodes its reduced chunk once; th
 forwarded unchanged, and every device, the owner included, decodes the same bytes, so all
 replicas are bit-identical.
 
-Bytes each device sends: 2 (N-1) R B D S * (encoded bytes per element) for both schedules.
+A third schedule needs no reduce-scatter:
+  one-shot  each device encodes its whole lane once and sends it to every other device (N-1
+            shifted ppermutes); every device decodes all N payloads, its own included, and sums
+            them in f32 in rank order, so replicas are bit-identical. Each element is encoded
+            once. One step instead of two, and at N = 2 the same bytes as the others; at
+            N > 2 it sends N/2 times their bytes.
+
+Bytes each device sends, for E encoded bytes per element: 2 (N-1) R B D S * E for ring and
+two-shot, (N-1) N R B D S * E for one-shot. `schedule="auto"` (`RingAllReduce.schedule_for`)
+runs one-shot over 2 devices, where it sends what two-shot sends in one step instead of two,
+and two-shot over more.
+
+`RingAllReduce` is the base of every all-reduce built on this engine (`ring`, `naive-int8`,
+`equarx-int8`): the layout, the option checks, `reduce` and `wire_bytes`; a subclass says
+what travels (`codec`, `payload_bytes`) and how wide a lane's rows are (`lane_block`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx_serve.collectives.base import AllReduce, check_float_dtype
+
 Payload = Any  # a pytree of arrays: what one hop puts on the wire
+SCHEDULES = ("auto", "ring", "two-shot", "one-shot")
 
 
 class Codec(Protocol):
@@ -66,7 +84,7 @@ class LaneLayout:
         directions: int,
         num_slices: int,
         block_size: int,
-        pad_rows=lambda rows: rows,
+        pad_rows: Callable[[int], int] = lambda rows: rows,
     ) -> LaneLayout:
         units = directions * num_slices * axis_size * block_size
         rows = pad_rows(max(1, -(-size // units)))
@@ -114,6 +132,8 @@ def pipelined_all_reduce(
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
+    if schedule == "one-shot":
+        return _one_shot_all_reduce(lanes, axis_name, codec, out_dtype=out_dtype)
     if schedule == "ring":
         with jax.named_scope("ring_reduce_scatter"):
             for key in keys:
@@ -142,7 +162,7 @@ def pipelined_all_reduce(
                 )
                 owned[key] = index
     else:
-        raise ValueError(f"unknown schedule {schedule!r}; valid: 'ring', 'two-shot'")
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {SCHEDULES}")
 
     # All-gather: forward the owners' payloads unchanged; everyone decodes the same bytes.
     # Each lane keeps its payloads in arrival order; one gather per lane puts them in place and
@@ -165,3 +185,117 @@ def pipelined_all_reduce(
     return jnp.stack(
         [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
     )
+
+
+def _one_shot_all_reduce(
+    lanes: jax.Array, axis_name: str, codec: Codec, *, out_dtype: jnp.dtype
+) -> jax.Array:
+    """Every device encodes its whole lane once and sends it to every other device (N-1
+    shifted ppermutes); every device decodes all N payloads, its own too, and sums them in f32
+    in rank order, so replicas are bit-identical."""
+    num_dirs, num_slices, n = lanes.shape[:3]
+    index = lax.axis_index(axis_name)
+    decoded = []
+    with jax.named_scope("one_shot_all_gather"):
+        for d in range(num_dirs):
+            sign = 1 if d == 0 else -1
+            for s in range(num_slices):
+                own = jax.tree.map(
+                    lambda *chunks: jnp.stack(chunks),
+                    *[codec.encode_chunk(lanes[d, s], jnp.int32(i)) for i in range(n)],
+                )  # leaves [N, R, ...]
+                arrived = [own] + [
+                    lax.ppermute(own, axis_name, _shift_perm(n, sign * k)) for k in range(1, n)
+                ]
+                # The payload that arrived at step k came from device index - sign * k.
+                step_of_rank = sign * (index - jnp.arange(n)) % n  # [N]
+                by_rank = jax.tree.map(
+                    lambda *steps, order=step_of_rank: jnp.take(jnp.stack(steps), order, axis=0),
+                    *arrived,
+                )  # leaves [N (source rank), N, R, ...]
+                values = codec.decode(by_rank, jnp.float32)  # [N, N, R, B]
+                decoded.append(jnp.sum(values, axis=0).astype(out_dtype))
+    return jnp.stack(decoded).reshape(lanes.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingAllReduce(AllReduce):
+    """Base of the all-reduces on `pipelined_all_reduce` (see the module doc).
+
+    Subclasses define `schedule` (one of `SCHEDULES`), `bidirectional` and `num_slices`, as
+    options (dataclass fields, checked by `check_lane_options`) or as fixed ClassVars, and
+    `codec`, `payload_bytes` and `lane_block`.
+    """
+
+    def check_lane_options(self) -> None:
+        """ValueError naming the first bad lane option."""
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.bidirectional, bool):
+            raise ValueError(f"bidirectional must be a bool, got {self.bidirectional!r}")
+        if not isinstance(self.num_slices, int) or self.num_slices < 1:
+            raise ValueError(f"num_slices must be an int >= 1, got {self.num_slices!r}")
+
+    def schedule_for(self, axis_size: int) -> str:
+        """The schedule run over `axis_size` devices: `schedule`, where "auto" is one-shot over
+        2 devices (two-shot's bytes in one step, each element encoded once) and two-shot over
+        more (one-shot would send N/2 times the bytes)."""
+        if self.schedule != "auto":
+            return self.schedule
+        return "one-shot" if axis_size == 2 else "two-shot"
+
+    @property
+    def lane_block(self) -> int:
+        """B: elements per row of a lane."""
+        raise NotImplementedError
+
+    def pad_rows(self, rows: int) -> int:
+        """The rows per chunk a lane is padded to (the codec's tiling needs)."""
+        return rows
+
+    def codec(self, dtype: jnp.dtype) -> Codec:
+        """What travels on the wire for inputs of `dtype`."""
+        raise NotImplementedError
+
+    def payload_bytes(self, num_elements: int, dtype: jnp.dtype) -> int:
+        """Bytes of one encoded chunk of `num_elements` (padded) elements of `dtype`."""
+        raise NotImplementedError
+
+    def layout(self, size: int, axis_size: int) -> LaneLayout:
+        return LaneLayout.create(
+            size,
+            axis_size,
+            directions=2 if self.bidirectional else 1,
+            num_slices=self.num_slices,
+            block_size=self.lane_block,
+            pad_rows=self.pad_rows,
+        )
+
+    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        check_float_dtype(x, self.name)
+        return self.ring_reduce(x, axis_name, axis_size, x.dtype)
+
+    def ring_reduce(
+        self, x: jax.Array, axis_name: str, axis_size: int, out_dtype: jnp.dtype
+    ) -> jax.Array:
+        """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
+        `out_dtype`."""
+        layout = self.layout(x.size, axis_size)
+        schedule = self.schedule_for(axis_size)
+        with jax.named_scope(f"{self.name}_{schedule}".replace("-", "_")):
+            reduced = pipelined_all_reduce(
+                layout.to_lanes(x),
+                axis_name,
+                self.codec(x.dtype),
+                schedule=schedule,
+                out_dtype=out_dtype,
+            )
+        return layout.from_lanes(reduced, x.shape)
+
+    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
+        if axis_size == 1:
+            return 0
+        per_chunk = self.layout(num_elements, axis_size).padded_size // axis_size
+        if self.schedule_for(axis_size) == "one-shot":  # the whole message to N - 1 devices
+            return (axis_size - 1) * axis_size * self.payload_bytes(per_chunk, dtype)
+        return 2 * (axis_size - 1) * self.payload_bytes(per_chunk, dtype)
