@@ -3,11 +3,13 @@ Prometheus samples, error answers, and starting `equarx-serve serve` processes."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
 
@@ -15,6 +17,9 @@ from equarx_serve.decode import Generator
 from equarx_serve.engine import PrefillEngine
 from equarx_serve.generation.runner import DeviceRunner
 from equarx_serve.generation.steps import DecodeStep, PrefillStep
+from equarx_serve.multiprocess import free_port
+from equarx_serve.server.http import uvicorn_config
+from equarx_serve.server_settings import HTTPSettings
 
 
 def wait_healthy(url: str, processes: list[subprocess.Popen], timeout_s: float) -> None:
@@ -118,3 +123,21 @@ def wait_until(condition, timeout_s: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def serving(app, settings: HTTPSettings) -> Iterator[str]:
+    """`app` under uvicorn with `settings` (as `equarx-serve serve` runs it), on loopback."""
+    import uvicorn
+
+    config = uvicorn_config(app, settings, host="127.0.0.1", port=free_port(), log_level="warning")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive())
+        assert server.started, "the server did not start"
+        yield f"http://127.0.0.1:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)

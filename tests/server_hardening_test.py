@@ -8,7 +8,6 @@ internal parameter names, OpenAI's prompt forms; and the operator's settings."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,15 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from _serving import assert_error, gated_generator, metric, sse_events, wait_healthy, wait_until
+from _serving import (
+    assert_error,
+    gated_generator,
+    metric,
+    serving,
+    sse_events,
+    wait_healthy,
+    wait_until,
+)
 from fastapi.testclient import TestClient
 
 from equarx_serve.engine import PrefillEngine
@@ -28,7 +35,6 @@ from equarx_serve.generation.sampling import sample_tokens
 from equarx_serve.generation.text import chat_prompt, encode_chat
 from equarx_serve.multiprocess import free_port
 from equarx_serve.server import create_app
-from equarx_serve.server.http import uvicorn_config
 from equarx_serve.server_settings import HTTPSettings
 
 MODEL = "tiny"
@@ -45,24 +51,6 @@ WAIT_S = 60.0  # how long a test waits for something that must happen
 @pytest.fixture(scope="module")
 def engine() -> PrefillEngine:
     return PrefillEngine.from_name(MODEL, 2, "equarx-int8", max_length=MAX_LENGTH)
-
-
-@contextlib.contextmanager
-def serving(app, settings: HTTPSettings) -> Iterator[str]:
-    """`app` under uvicorn with `settings` (as `equarx-serve serve` runs it), on loopback."""
-    import uvicorn
-
-    config = uvicorn_config(app, settings, host="127.0.0.1", port=free_port(), log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run)
-    thread.start()
-    try:
-        wait_until(lambda: server.started or not thread.is_alive())
-        assert server.started, "the server did not start"
-        yield f"http://127.0.0.1:{config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 class Live:
