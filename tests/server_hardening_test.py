@@ -469,7 +469,7 @@ def test_sigterm_drains_then_ends_running_requests_with_503():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     command = [sys.executable, "-m", "equarx_serve", "serve", "--model", MODEL, "--tp", "2"]
     command += ["--port", str(port), "--max-length", "512", "--log-level", "warning"]
-    command += ["--drain-seconds", "6", "--graceful-timeout", "2"]
+    command += ["--drain-seconds", "3", "--graceful-timeout", "2"]
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
