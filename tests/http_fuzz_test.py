@@ -162,7 +162,11 @@ def check_answer(server: Server, path: str, body: bytes) -> None:
         assert all("error" not in event for event in events[:-1]), events
     else:
         answer = json.loads(text)
-        assert answer["choices"] and answer["usage"]["completion_tokens"] >= 1
+        # A completion may be empty: the first sampled token can end it (EOS, a stop string).
+        assert answer["choices"]
+        assert all(c["finish_reason"] in ("stop", "length") for c in answer["choices"])
+        usage = answer["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 def encode(body) -> bytes:
