@@ -4,13 +4,25 @@
                        [--all-reduce equarx-int8] [--max-batch 8] [--max-queue 64]
                        [--max-prompt-tokens N] [--dtype bfloat16|float32]
                        [--checkpoint PATH --tokenizer PATH]
+                       [--api-key KEY] [--allowed-hosts H,...] [--no-docs]
+                       [--max-body-bytes N] [--header-timeout S] [--body-timeout S]
+                       [--keep-alive-timeout S] [--max-connections N]
+                       [--drain-seconds S] [--graceful-timeout S]
                        [--processes N | --coordinator HOST:PORT --num-processes N
                         --process-id I [--control-port PORT]]
 
 It loads the model, shards it over TP host devices (XLA_FLAGS
 --xla_force_host_platform_device_count, set before JAX is imported), compiles the first
-programs with a short warm-up generation, then listens. SIGTERM or Ctrl-C: new requests get
-503, queued and running ones finish, the worker stops, the process exits 0.
+programs with a short warm-up generation, then listens. SIGTERM or Ctrl-C: for
+--drain-seconds /health and new requests get 503 while the listener stays open, then it
+closes; queued and running requests finish, those still running --graceful-timeout seconds
+after the signal end with a 503 (an error event in a stream); the process exits 0. A second
+signal closes the listener at once.
+
+Operator settings (`equarx_serve/server/http.py`), with safe defaults: a request body limit,
+deadlines for a request's head and body, idle keep-alive timeout, a connection limit, an
+optional API key (--api-key or the EQUARX_API_KEY environment variable), --no-docs, and a
+Host allow-list (on a loopback --host: loopback names only, against DNS rebinding).
 
 Across processes (`equarx_serve/processes.py`): `--processes N` runs N local processes joined
 by gloo, TP / N devices each; on several hosts, the same command on each with its own
@@ -24,7 +36,9 @@ This module imports neither JAX nor FastAPI until the command runs, so `--help` 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import os
 import signal
 import threading
 from typing import Any
@@ -39,6 +53,8 @@ DEFAULT_MAX_QUEUE = 64
 # compile and run slowly, so the server's default is shorter (raise it with --max-length).
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_GRACEFUL_TIMEOUT_S = 120.0
+DEFAULT_DRAIN_S = 5.0
+API_KEY_ENV = "EQUARX_API_KEY"
 # After the engine failed (a lost process): time for the 503s to reach their clients.
 FAILURE_EXIT_GRACE_S = 1.0
 
@@ -103,9 +119,96 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "finish before they are cancelled (default: %(default)s)",
     )
     parser.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=DEFAULT_DRAIN_S,
+        metavar="S",
+        help="on SIGTERM, how long /health and new requests get 503 before the listener "
+        "closes (default: %(default)s)",
+    )
+    _add_http_arguments(parser)
+    parser.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     processes.add_process_arguments(parser)
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    """The operator's limits and access settings (see the module doc)."""
+    from equarx_serve.server_settings import HTTPSettings
+
+    defaults = HTTPSettings()
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}; none)",
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        metavar="H,...",
+        help="host names the Host header may name, or '*' (default: loopback names on a "
+        "loopback --host, else any)",
+    )
+    parser.add_argument(
+        "--no-docs", action="store_true", help="turn off the /docs and /redoc pages"
+    )
+    parser.add_argument(
+        "--max-body-bytes",
+        type=argument_type(int_at_least(1)),
+        default=defaults.max_body_bytes,
+        metavar="N",
+        help="largest request body, else 413 (default: %(default)s)",
+    )
+    for flag, default, text in (
+        ("--header-timeout", defaults.header_timeout_s, "seconds to send a request's head"),
+        ("--body-timeout", defaults.body_timeout_s, "seconds to send a request's body (408)"),
+        ("--keep-alive-timeout", defaults.keep_alive_s, "seconds an idle connection stays"),
+    ):
+        parser.add_argument(
+            flag, type=float, default=default, metavar="S", help=f"{text} (default: %(default)s)"
+        )
+    parser.add_argument(
+        "--max-connections",
+        type=argument_type(int_at_least(1)),
+        default=defaults.max_connections,
+        metavar="N",
+        help="open connections (and requests) before new requests get 503 (default: %(default)s)",
+    )
+
+
+def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
+    """--allowed-hosts, or by default loopback names on a loopback --host ("*": any)."""
+    from equarx_serve.server_settings import LOOPBACK_HOSTS
+
+    if args.allowed_hosts is not None:
+        hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
+        return () if "*" in hosts else hosts
+    try:
+        loopback = ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = args.host == "localhost"
+    return LOOPBACK_HOSTS if loopback else ()
+
+
+def http_settings(args: argparse.Namespace) -> Any:
+    """The `HTTPSettings` of the command line (UsageError for bad values)."""
+    from equarx_serve.server_settings import HTTPSettings
+
+    try:
+        return HTTPSettings(
+            max_body_bytes=args.max_body_bytes,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            keep_alive_s=args.keep_alive_timeout,
+            max_connections=args.max_connections,
+            api_key=args.api_key,
+            docs=not args.no_docs,
+            allowed_hosts=_allowed_hosts(args),
+            drain_s=args.drain_seconds,
+            graceful_timeout_s=args.graceful_timeout,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     if args.batch_window_ms < 0 or args.graceful_timeout < 0:
         raise UsageError("--batch-window-ms and --graceful-timeout must be >= 0")
+    settings = http_settings(args)
     cluster = processes.cluster_from_args(args)
     if cluster.launch:
         return processes.launch_local("serve", cluster.launch)
@@ -127,10 +231,10 @@ def run(args: argparse.Namespace) -> int:
     engine = engine_from_args(args, max_length=args.max_length)
     if not cluster.leader:
         return processes.run_follower(cluster, engine)
-    return _serve(args, engine, processes.start_leader(cluster))
+    return _serve(args, settings, engine, processes.start_leader(cluster))
 
 
-def _serve(args: argparse.Namespace, engine: Any, leader: Any) -> int:
+def _serve(args: argparse.Namespace, settings: Any, engine: Any, leader: Any) -> int:
     """Process 0: the HTTP server; with a leader, over the processes it drives."""
     import uvicorn
 
@@ -138,6 +242,7 @@ def _serve(args: argparse.Namespace, engine: Any, leader: Any) -> int:
     from equarx_serve.generation.replicated import EXIT_CLUSTER_FAILED, ReplicatedRunner
     from equarx_serve.generation.runner import DeviceRunner
     from equarx_serve.server import create_app, drain_on_exit
+    from equarx_serve.server.http import uvicorn_config
 
     runner = DeviceRunner(engine)
     generator = Generator(
@@ -163,16 +268,12 @@ def _serve(args: argparse.Namespace, engine: Any, leader: Any) -> int:
         batch_window_s=args.batch_window_ms / 1e3,
         warmup=True,
         on_failure=exit_after_failure,
+        http=settings,
     )
     if leader is not None:
         leader.on_failure = app.state.worker.fail  # a lost follower fails every request
-    config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_timeout,
-        lifespan="on",
+    config = uvicorn_config(
+        app, settings, host=args.host, port=args.port, log_level=args.log_level, lifespan="on"
     )
     server = uvicorn.Server(config)
     drain_on_exit(server, app)

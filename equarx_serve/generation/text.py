@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import functools
+import re
 import string
 from collections.abc import Sequence
 from typing import Any
 
 from models.tokenizer import Tokenizer, set_bpe_specs
 
-__all__ = ["byte_tokenizer", "chat_prompt"]
+__all__ = ["byte_tokenizer", "chat_prompt", "encode_chat"]
 
 _CHAT_ROLES = {"user": "user", "assistant": "model", "model": "model"}
 
@@ -43,8 +44,40 @@ def chat_prompt(messages: Sequence[dict]) -> str:
     A system message may come first only; as Gemma has no system role, its text is prepended
     to the first user turn. After it, turns alternate user / assistant ("model" also accepted),
     starting and ending with user. BOS is not included: `Tokenizer.encode` adds it.
-    ValueError for anything else.
+    ValueError for anything else. Encoding this text turns chat markup inside the messages
+    into control tokens too: to encode messages from users, use `encode_chat`.
     """
+    return "".join(text for text, _ in _chat_segments(messages))
+
+
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[dict]) -> list[int]:
+    """The token ids of `chat_prompt(messages)` (BOS first), where the messages' own text never
+    becomes a special token: "<end_of_turn>" typed by a user is encoded as ordinary text
+    (cut after its "<"), so nobody can forge a turn. Text without special-token markup
+    encodes to exactly `tokenizer.encode(chat_prompt(messages))`."""
+    specials = sorted({tokenizer.id_to_piece(i) for i in tokenizer.special_tokens.values()})
+    markup = re.compile("|".join(re.escape(piece) for piece in specials))
+    chunks = [""]  # encoded one by one: no chunk holds a special token's text from a message
+    for text, trusted in _chat_segments(messages):
+        if trusted:
+            chunks[-1] += text
+            continue
+        start = 0
+        for match in markup.finditer(text):
+            cut = match.start() + 1
+            chunks[-1] += text[start:cut]
+            chunks.append("")
+            start = cut
+        chunks[-1] += text[start:]
+    ids = tokenizer.encode(chunks[0])
+    for chunk in chunks[1:]:
+        ids += tokenizer.encode(chunk, add_bos=False)
+    return ids
+
+
+def _chat_segments(messages: Sequence[dict]) -> list[tuple[str, bool]]:
+    """The chat template as (text, trusted) segments: the markup is trusted, message text is
+    not (see `chat_prompt`)."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise ValueError("messages must be a list of {'role', 'content'} dicts")
     parsed = [_message_text(i, m) for i, m in enumerate(messages)]
@@ -53,7 +86,7 @@ def chat_prompt(messages: Sequence[dict]) -> str:
         system = parsed.pop(0)[1]
     if not parsed:
         raise ValueError("messages must contain at least one user message")
-    turns = []
+    segments: list[tuple[str, bool]] = []
     for i, (role, content) in enumerate(parsed):
         expected = "user" if i % 2 == 0 else "model"
         if role == "system":
@@ -63,12 +96,13 @@ def chat_prompt(messages: Sequence[dict]) -> str:
                 "roles must alternate user/assistant, starting with user "
                 f"(after an optional system message); turn {i} is {role!r}"
             )
+        segments.append((f"<start_of_turn>{expected}\n", True))
         if i == 0 and system is not None:
-            content = f"{system}\n\n{content}"
-        turns.append(f"<start_of_turn>{expected}\n{content}<end_of_turn>\n")
+            segments += [(system, False), ("\n\n", True)]
+        segments += [(content, False), ("<end_of_turn>\n", True)]
     if parsed[-1][0] != "user":
         raise ValueError("the last message must be a user message (the model answers it)")
-    return "".join(turns) + "<start_of_turn>model\n"
+    return [*segments, ("<start_of_turn>model\n", True)]
 
 
 @functools.cache

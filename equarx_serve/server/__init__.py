@@ -11,20 +11,25 @@ By concern:
     protocol.py        request bodies, the error type and its JSON shape
     openai_serving.py  bodies to sampling settings and prompts, events to responses / streams
     worker.py          the thread that owns the step engine: queue, steps, events, drain, fail
-    app.py             the FastAPI app: routes, error handlers, request counting, lifespan
+    app.py             the FastAPI app: routes, error handlers, request counting, OpenAPI,
+                       lifespan
+    http.py            the operator's settings: body limit and deadlines, connection limit,
+                       API key, Host allow-list, the drain window on SIGTERM
     metrics.py         Prometheus metrics (requests, latencies, steps and all-reduce bytes)
 
 Scheduling: one worker thread owns the devices through a `StepEngine`
 (`equarx_serve/generation/engine.py`): requests wait in a bounded queue (`max_queue`; a full
 queue answers 503 at once) and join the running batch as soon as a slot is free, so concurrent
-users share every device step; a client that disconnects frees its slot. SIGTERM (through
-`serve`) drains: new requests get 503, queued and running ones finish.
+users share every device step; a client that disconnects leaves the queue or frees its slot.
+SIGTERM (through `serve`) drains: /health and new requests get 503 during a drain window,
+queued and running ones finish (or end with a 503 when the grace period is over).
 
 Errors follow OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: 400 for bad
 input (malformed JSON, missing or mistyped fields, empty or too long prompts, bad sampling
-values, n != 1), 404 for an unknown model or path, 503 when busy, draining, or when the engine
-failed for good (a lost process of a multi-process mesh), 500 when a step fails (for the
-requests in it; the server keeps serving).
+values, n != 1, invalid Unicode, a foreign Host), 401 without the API key, 404 for an unknown
+model or path, 408 / 413 for a slow or oversized body, 503 when busy, draining, or when the
+engine failed for good (a lost process of a multi-process mesh), 500 when a step fails (for
+the requests in it; the server keeps serving; the cause is logged, never sent).
 """
 
 from equarx_serve.server.app import create_app, drain_on_exit

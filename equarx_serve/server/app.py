@@ -1,4 +1,6 @@
-"""The FastAPI app: routes, error handlers, request counting, the worker's lifespan."""
+"""The FastAPI app: routes, error handlers, request counting, the operator's guards
+(`http.py`), an OpenAPI schema that describes what the routes really answer, the worker's
+lifespan."""
 
 from __future__ import annotations
 
@@ -6,22 +8,33 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from equarx_serve.decode import Generator
 from equarx_serve.generation.sampling import SamplingParams
+from equarx_serve.server.http import HTTPSettings, add_http_guards, drain_on_signal
 from equarx_serve.server.metrics import ServerMetrics
-from equarx_serve.server.openai_serving import CHAT, COMPLETIONS, OpenAIServing, ServingLimits
+from equarx_serve.server.openai_serving import (
+    CHAT,
+    COMPLETIONS,
+    SHUTTING_DOWN,
+    OpenAIServing,
+    ServingLimits,
+)
 from equarx_serve.server.protocol import (
     APIError,
     ChatBody,
     CompletionBody,
+    ErrorBody,
     validation_api_error,
 )
 from equarx_serve.server.worker import DEFAULT_BATCH_WINDOW_S, EngineWorker
@@ -34,6 +47,49 @@ DEFAULT_MAX_QUEUE = 64
 USAGE_PROMPT_TOKENS = 128  # the prompt length the info metric's all-reduce usage is shown for
 WARMUP_PROMPT = "Hello"
 ENDPOINTS = (COMPLETIONS.path, CHAT.path, "/v1/models", "/health", "/metrics")
+DEFAULT_HTTP = HTTPSettings()
+PROMETHEUS_TEXT = CONTENT_TYPE_LATEST
+
+_ERROR_MEANINGS = {
+    400: "Bad input: malformed JSON, a missing, mistyped or out-of-range field, a prompt "
+    "too long for the context, invalid Unicode, a disallowed Host header",
+    401: "A valid API key is required (when the server has one)",
+    404: "Unknown model",
+    408: "The request body did not arrive in time",
+    413: "The request body is over the server's limit",
+    500: "A device step failed (the cause is in the server log)",
+    503: "Busy (queue full: retry later), draining (shutting down), or the engine failed",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {
+        status: {"model": ErrorBody, "description": _ERROR_MEANINGS[status]} for status in statuses
+    }
+
+
+GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "The completion (JSON), or with `stream: true` server-sent events: one "
+        "`data: {chunk}` per piece of text, the last chunk with finish_reason, an optional "
+        "usage chunk, an error object if the request fails mid-stream, then `data: [DONE]`",
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    },
+    **_errors(400, 401, 404, 408, 413, 500, 503),
+}
+HEALTH_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": '{"status": "ok"}'},
+    503: {"description": '{"status": "draining" | "failed" | "worker not running", ...}'},
+}
+METRICS_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": "Prometheus text exposition format",
+        "content": {PROMETHEUS_TEXT: {"schema": {"type": "string"}}},
+    }
+}
 
 
 class _CountRequests:
@@ -79,6 +135,7 @@ def create_app(
     default_max_tokens: int = 256,
     warmup: bool = False,
     on_failure: Callable[[str], None] = lambda reason: None,
+    http: HTTPSettings = DEFAULT_HTTP,
 ) -> FastAPI:
     """The server for `generator` (its runner, tokenizer and limits).
 
@@ -92,6 +149,8 @@ def create_app(
       warmup: Run a short generation at start-up (compiles the first programs).
       on_failure: Called once if the engine fails for good (a lost process of the mesh),
         after every request was answered 503.
+      http: The body limit and deadline, API key, /docs switch, Host allow-list, drain
+        window (connection limits and timeouts: `http.uvicorn_config`).
     """
     engine = generator.engine
     tokenizer = generator.tokenizer
@@ -142,9 +201,12 @@ def create_app(
             await asyncio.to_thread(worker.stop)
             logger.info("worker stopped after %d steps", worker.steps)
 
-    app = FastAPI(title="equarx-serve", lifespan=lifespan)
+    docs = {} if http.docs else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="equarx-serve", lifespan=lifespan, **docs)
     app.state.worker, app.state.metrics, app.state.generator = worker, metrics, generator
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.state.http = http
+    add_http_guards(app, http)
+    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts refusals too
 
     def error_response(request: Request, error: APIError) -> JSONResponse:
         path = request.url.path
@@ -166,23 +228,29 @@ def create_app(
     async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {error.detail}"
-        return error_response(request, APIError(error.status_code, message, type=kind))
+        response = error_response(request, APIError(error.status_code, message, type=kind))
+        response.headers.update(error.headers or {})  # e.g. 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, error: Exception) -> JSONResponse:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        internal = APIError(500, f"internal error: {error}", type="server_error")
+        reference = uuid.uuid4().hex[:12]
+        logger.exception(
+            "unexpected error %s in %s %s", reference, request.method, request.url.path
+        )
+        message = f"internal error (reference {reference}; the server log has the cause)"
+        internal = APIError(500, message, type="server_error")
         return error_response(request, internal)
 
-    @app.post(COMPLETIONS.path)
+    @app.post(COMPLETIONS.path, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:
         return await serving.completions(body, request)
 
-    @app.post(CHAT.path)
+    @app.post(CHAT.path, responses=GENERATION_RESPONSES)
     async def chat_completions(body: ChatBody, request: Request) -> Response:
         return await serving.chat_completions(body, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(401, 500))
     async def models() -> dict[str, Any]:
         model = {
             "id": model_name,
@@ -195,7 +263,7 @@ def create_app(
         }
         return {"object": "list", "data": [model]}
 
-    @app.get("/health")
+    @app.get("/health", responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
         if worker.failure is not None:
             return JSONResponse({"status": "failed", "reason": worker.failure}, status_code=503)
@@ -205,21 +273,30 @@ def create_app(
             return JSONResponse({"status": "worker not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics_endpoint() -> Response:
-        from prometheus_client import CONTENT_TYPE_LATEST
+        return Response(metrics.render(), media_type=PROMETHEUS_TEXT)
 
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
+    app.openapi = lambda: _openapi(app)
     return app
 
 
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema without the 422 it documents for every body (this server answers
+    400 instead, documented per route)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema["paths"].values():
+            for operation in path.values():
+                operation["responses"].pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema.get("components", {}).get("schemas", {}).pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
 def drain_on_exit(server: Any, app: FastAPI) -> None:
-    """Make a `uvicorn.Server`'s SIGTERM/SIGINT drain the worker first (new requests 503)."""
-    handle_exit = server.handle_exit
-
-    def drain_then_exit(sig: int, frame: Any) -> None:
-        app.state.worker.drain()
-        handle_exit(sig, frame)
-
-    server.handle_exit = drain_then_exit
+    """Make a `uvicorn.Server`'s SIGTERM/SIGINT drain first, as `app`'s settings say (see
+    `http.py`): /health and new requests 503 during the drain window, then the listener
+    closes; requests still running at the end of the grace period end with a 503."""
+    drain_on_signal(server, app.state.worker, app.state.http, SHUTTING_DOWN)

@@ -1,11 +1,15 @@
 """The OpenAI serving logic: a validated body in, a completion (or its event stream) out.
 
 For `POST /v1/completions` and `/v1/chat/completions`: the body's options are checked and
-turned into `SamplingParams` (OpenAI's defaults and limits), the prompt is tokenized (the chat
-template for chat) and checked against the context, the request goes to the worker's queue,
-and its events (`generation.events`) become one JSON response or server-sent events in
-OpenAI's chunk format ending with `data: [DONE]`. A client that goes away (a closed stream, or
-a disconnect while a non-streamed request waits) cancels its request.
+turned into `SamplingParams` (OpenAI's defaults and limits), the prompt is tokenized off the
+event loop (the chat template for chat, where message text never becomes a control token) and
+checked against the context, the request goes to the worker's queue, and its events
+(`generation.events`) become one JSON response or server-sent events in OpenAI's chunk format
+ending with `data: [DONE]`. A completion may have several prompts (a list of strings or of
+token-id lists): one job each, answered as the choices of one response. A client that goes
+away (a closed stream, or a disconnect at any time while a non-streamed request waits)
+cancels its jobs, queued or running. Errors never carry exception text: an internal failure
+is logged with the request id, and the client gets the id.
 """
 
 from __future__ import annotations
@@ -27,11 +31,11 @@ from equarx_serve.generation.events import (
     Completion,
     ErrorEvent,
     ErrorKind,
-    FinishedEvent,
+    Event,
     TokenEvent,
 )
 from equarx_serve.generation.sampling import SamplingParams
-from equarx_serve.generation.text import chat_prompt
+from equarx_serve.generation.text import encode_chat
 from equarx_serve.server.metrics import ServerMetrics
 from equarx_serve.server.protocol import (
     UNSUPPORTED,
@@ -48,9 +52,7 @@ __all__ = ["CHAT", "COMPLETIONS", "Endpoint", "OpenAIServing", "ServingLimits"]
 
 logger = logging.getLogger("equarx_serve.server")
 
-MAX_STOP_SEQUENCES = 4  # as OpenAI
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-DISCONNECT_POLL_S = 0.5  # a waiting non-streamed request checks its client this often
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,17 +84,45 @@ class ServingLimits:
     max_queue: int
 
 
-def event_error(event: ErrorEvent) -> APIError:
-    """The HTTP error for a request's ErrorEvent."""
+SHUTTING_DOWN = "the server is shutting down; retry on another replica"
+
+
+def event_error(event: ErrorEvent, *, draining: bool) -> APIError:
+    """The HTTP error for a request's ErrorEvent (`draining`: the server is shutting down)."""
     if event.kind == ErrorKind.INVALID_REQUEST:
         return bad_request(event.message)
+    if event.kind == ErrorKind.UNAVAILABLE and draining:
+        return unavailable(SHUTTING_DOWN, "shutting_down")
     if event.kind == ErrorKind.UNAVAILABLE:
         return unavailable(f"the engine is unavailable: {event.message}", "engine_unavailable")
-    return APIError(500, f"generation failed: {event.message}", type="server_error")
+    logger.error("%s: generation failed: %s", event.request_id, event.message)
+    message = f"generation failed (request {event.request_id}; the server log has the cause)"
+    return APIError(500, message, type="server_error")
 
 
-def _usage(completion: Completion) -> dict[str, int]:
-    prompt, generated = len(completion.prompt_tokens), len(completion.tokens)
+def check_text(text: str, param: str) -> str:
+    """400 unless `text` is valid Unicode (a lone UTF-16 surrogate from a JSON \\ud83d escape
+    is not): the tokenizer and the JSON answer need UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(
+            f"{param} is not valid Unicode: {e.reason} at character {e.start}",
+            param,
+            "invalid_unicode",
+        ) from None
+    return text
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _usage(completions: list[Completion]) -> dict[str, int]:
+    prompt = sum(len(c.prompt_tokens) for c in completions)
+    generated = sum(len(c.tokens) for c in completions)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": generated,
@@ -100,7 +130,7 @@ def _usage(completion: Completion) -> dict[str, int]:
     }
 
 
-def _timings(completion: Completion, job: Job, done_at: float) -> dict[str, float]:
+def _timings(job: Job, completion: Completion, done_at: float) -> dict[str, float]:
     """Extension field "timings" (llama.cpp's server has one too): milliseconds."""
     ttft = (job.first_token_at or done_at) - job.arrived
     timings = {
@@ -141,39 +171,47 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionBody, request: Request) -> Response:
         self._check_model(body)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise bad_request(
-                    f"prompt must be a string or a list of one string, got a list of "
-                    f"{len(prompt)}; send one request per prompt (the server batches concurrent "
-                    "requests)",
-                    "prompt",
-                )
-            prompt = prompt[0]
-        if not prompt:
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
             raise bad_request("prompt must not be empty", "prompt")
-        tokens = self.tokenizer.encode(prompt)
-        self._check_prompt(tokens, "prompt")
+        if len(prompts) > self.limits.max_queue:
+            raise bad_request(
+                f"at most {self.limits.max_queue} prompts per request, got {len(prompts)}",
+                "prompt",
+            )
+        token_lists = []
+        for i, prompt in enumerate(prompts):
+            param = "prompt" if len(prompts) == 1 else f"prompt.{i}"
+            if not prompt:
+                raise bad_request(f"{param} must not be empty", param)
+            if isinstance(prompt, str):
+                text = check_text(prompt, param)
+                prompt = await asyncio.to_thread(self.tokenizer.encode, text)
+            self._check_prompt(prompt, param)
+            token_lists.append(prompt)
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        params = self._sampling_params(body, len(tokens), max_tokens)
-        return await self._answer(COMPLETIONS, request, body, tokens, params)
+        longest = max(len(tokens) for tokens in token_lists)
+        params = self._sampling_params(body, longest, max_tokens)
+        return await self._answer(COMPLETIONS, request, body, token_lists, params)
 
     async def chat_completions(self, body: ChatBody, request: Request) -> Response:
         self._check_model(body)
-        if not body.messages:
-            raise bad_request("messages must not be empty", "messages")
-        messages = [{"role": m.role, "content": m.text} for m in body.messages]
+        messages = [
+            {"role": m.role, "content": check_text(m.text, f"messages.{i}.content")}
+            for i, m in enumerate(body.messages)
+        ]
         if not any(m["content"] for m in messages):
             raise bad_request("every message is empty", "messages")
         try:
-            tokens = self.tokenizer.encode(chat_prompt(messages))  # BOS added here
+            tokens = await asyncio.to_thread(encode_chat, self.tokenizer, messages)
         except ValueError as e:
             raise bad_request(str(e), "messages") from None
         self._check_prompt(tokens, "messages")
         max_tokens = body.max_tokens if body.max_tokens is not None else body.max_completion_tokens
         params = self._sampling_params(body, len(tokens), max_tokens)
-        return await self._answer(CHAT, request, body, tokens, params)
+        return await self._answer(CHAT, request, body, [tokens], params)
 
     # -- validation --------------------------------------------------------------------------
 
@@ -185,6 +223,8 @@ class OpenAIServing:
                     name,
                     "unsupported_parameter",
                 )
+        if body.model is not None:
+            check_text(body.model, "model")
         if body.model is not None and body.model != self.model_name:
             raise APIError(
                 404,
@@ -207,17 +247,11 @@ class OpenAIServing:
     def _sampling_params(
         self, body: SamplingBody, prompt_len: int, max_tokens: int | None
     ) -> SamplingParams:
+        # The body's ranges (max_tokens >= 1, temperature, top_p, top_k, n = 1, at most
+        # MAX_STOP_SEQUENCES stop strings) were checked by the protocol models.
         context = self.limits.context
-        if body.n not in (None, 1):
-            raise bad_request(f"n={body.n} is not supported: only n=1", "n", "unsupported_value")
         if max_tokens is None:
             max_tokens = min(self.limits.default_max_tokens, context - prompt_len)
-        if max_tokens < 1:
-            raise bad_request(
-                f"max_tokens must be at least 1, got {max_tokens}",
-                "max_tokens",
-                "integer_below_min_value",
-            )
         if prompt_len + max_tokens > context:
             raise bad_request(
                 f"This model's maximum context length is {context} tokens. However, you "
@@ -227,20 +261,12 @@ class OpenAIServing:
                 "context_length_exceeded",
             )
         temperature = 1.0 if body.temperature is None else body.temperature
-        if not 0.0 <= temperature <= 2.0:
-            raise bad_request(f"temperature must be in [0, 2], got {temperature}", "temperature")
         top_p = 1.0 if body.top_p is None else body.top_p
-        if not 0.0 < top_p <= 1.0:
-            raise bad_request(f"top_p must be in (0, 1], got {top_p}", "top_p")
-        if body.top_k is not None and body.top_k < 1:
-            raise bad_request(f"top_k must be at least 1 (or absent), got {body.top_k}", "top_k")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > MAX_STOP_SEQUENCES:
-            raise bad_request(
-                f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(stop)}", "stop"
-            )
         if any(not s for s in stop):
             raise bad_request("stop sequences must not be empty strings", "stop")
+        for text in stop:
+            check_text(text, "stop")
         seed = secrets.randbits(31) if body.seed is None else body.seed
         try:
             return SamplingParams(
@@ -256,17 +282,19 @@ class OpenAIServing:
 
     # -- answering ---------------------------------------------------------------------------
 
-    def _submit(self, endpoint: Endpoint, prompt: list[int], params: SamplingParams) -> Job:
+    def _submit(
+        self, request_id: str, prompt: list[int], params: SamplingParams, events: asyncio.Queue
+    ) -> Job:
         try:
             self.worker.engine.check(prompt, params)
         except ValueError as e:
             raise bad_request(str(e)) from None
         job = Job(
-            request_id=endpoint.id_prefix + uuid.uuid4().hex[:24],
+            request_id=request_id,
             prompt=prompt,
             params=params,
             loop=asyncio.get_running_loop(),
-            events=asyncio.Queue(),
+            events=events,
             arrived=time.perf_counter(),
         )
         try:
@@ -274,8 +302,7 @@ class OpenAIServing:
         except Unavailable as e:
             raise unavailable(f"the engine is unavailable: {e}", "engine_unavailable") from None
         except Draining:
-            message = "the server is shutting down; retry on another replica"
-            raise unavailable(message, "shutting_down") from None
+            raise unavailable(SHUTTING_DOWN, "shutting_down") from None
         except QueueFull:
             message = (
                 f"the server is busy: {self.limits.max_queue} requests are already queued; "
@@ -316,7 +343,7 @@ class OpenAIServing:
 
     def _failed(self, event: ErrorEvent) -> APIError:
         self.metrics.in_flight.dec()
-        return event_error(event)
+        return event_error(event, draining=self.worker.draining and self.worker.failure is None)
 
     def _abandon(self, job: Job) -> None:
         """The client went away before the end: free its slot."""
@@ -325,111 +352,156 @@ class OpenAIServing:
         self.worker.cancel(job)
         logger.info("%s: client disconnected; cancelled", job.request_id)
 
+    def _submit_all(
+        self, endpoint: Endpoint, prompts: list[list[int]], params: SamplingParams
+    ) -> tuple[str, list[Job], asyncio.Queue]:
+        """One job per prompt, all posting to one event queue: (the response id, the jobs,
+        the queue). If one cannot be queued, the others are cancelled and its error raised."""
+        request_id = endpoint.id_prefix + uuid.uuid4().hex[:24]
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        jobs: list[Job] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                job_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                jobs.append(self._submit(job_id, prompt, params, events))
+        except APIError:
+            for job in jobs:
+                self._abandon(job)
+            raise
+        return request_id, jobs, events
+
     async def _answer(
         self,
         endpoint: Endpoint,
         request: Request,
         body: SamplingBody,
-        prompt: list[int],
+        prompts: list[list[int]],
         params: SamplingParams,
     ) -> Response:
-        job = self._submit(endpoint, prompt, params)
+        request_id, jobs, events = self._submit_all(endpoint, prompts, params)
+        pending = {job.request_id: job for job in jobs}  # those without their last event
         if body.stream:
             return StreamingResponse(
-                self._stream(endpoint, job, body.include_usage),
+                self._stream(endpoint, request_id, jobs, pending, events, body.include_usage),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        settled = False
+        collect = asyncio.ensure_future(self._collect(jobs, pending, events))
+        gone = asyncio.ensure_future(_client_gone(request))
         try:
-            while True:
-                try:
-                    event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
-                except TimeoutError:
-                    if await request.is_disconnected():
-                        return Response(status_code=499)
-                    continue
-                if isinstance(event, ErrorEvent):
-                    settled = True
-                    raise self._failed(event)
-                if isinstance(event, FinishedEvent):
-                    settled = True
-                    break
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not settled:
+            gone.cancel()
+            collect.cancel()  # no-op once done
+            for job in pending.values():  # the client went away, or one job failed
                 self._abandon(job)
-        completion = event.completion
-        done_at = self._finished(job, completion)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason}
-        if endpoint.chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            choice |= {"text": completion.text, "logprobs": None}
+        if collect.cancelled():
+            return Response(status_code=499)
+        finished = collect.result()  # raises a failed job's APIError
+        choices = []
+        for index, (_, completion, _) in enumerate(finished):
+            choice: dict[str, Any] = {"index": index, "finish_reason": completion.finish_reason}
+            if endpoint.chat:
+                choice["message"] = {"role": "assistant", "content": completion.text}
+            else:
+                choice |= {"text": completion.text, "logprobs": None}
+            choices.append(choice)
         return JSONResponse(
             {
-                "id": job.request_id,
+                "id": request_id,
                 "object": endpoint.object,
                 "created": int(time.time()),
                 "model": self.model_name,
-                "choices": [choice],
-                "usage": _usage(completion),
-                "timings": _timings(completion, job, done_at),
+                "choices": choices,
+                "usage": _usage([completion for _, completion, _ in finished]),
+                "timings": _timings(*finished[0]),
             }
         )
 
+    async def _collect(
+        self, jobs: list[Job], pending: dict[str, Job], events: asyncio.Queue
+    ) -> list[tuple[Job, Completion, float]]:
+        """Every job's (job, completion, finished at), in prompt order, once all finished;
+        the first error is raised (the jobs still in `pending` are left to the caller)."""
+        finished: dict[str, tuple[Job, Completion, float]] = {}
+        while pending:
+            event = await events.get()
+            job = pending.get(event.request_id)
+            if job is None or isinstance(event, TokenEvent):
+                continue
+            del pending[event.request_id]
+            if isinstance(event, ErrorEvent):
+                raise self._failed(event)
+            finished[job.request_id] = (
+                job,
+                event.completion,
+                self._finished(job, event.completion),
+            )
+        return [finished[job.request_id] for job in jobs]
+
     async def _stream(
-        self, endpoint: Endpoint, job: Job, include_usage: bool
+        self,
+        endpoint: Endpoint,
+        request_id: str,
+        jobs: list[Job],
+        pending: dict[str, Job],
+        events: asyncio.Queue,
+        include_usage: bool,
     ) -> AsyncIterator[bytes]:
         head = {
-            "id": job.request_id,
+            "id": request_id,
             "object": endpoint.chunk_object,
             "created": int(time.time()),
             "model": self.model_name,
         }
+        index = {job.request_id: i for i, job in enumerate(jobs)}
 
-        def chunk(text: str | None, finish_reason: str | None = None, first: bool = False) -> bytes:
+        def chunk(i: int, text: str | None, finish_reason: str | None = None) -> bytes:
             if endpoint.chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if i < 0 else {}
                 if text:
                     delta["content"] = text
-                choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+                choice = {"index": max(i, 0), "delta": delta, "finish_reason": finish_reason}
             else:
                 choice = {
-                    "index": 0,
+                    "index": i,
                     "text": text or "",
                     "logprobs": None,
                     "finish_reason": finish_reason,
                 }
             return _sse(head | {"choices": [choice]})
 
-        settled = False
+        finished: list[tuple[Job, Completion, float]] = []
         try:
             if endpoint.chat:
-                yield chunk(None, first=True)
-            while True:
-                event = await job.events.get()
+                yield chunk(-1, None)  # the role, first
+            while pending:
+                event = await events.get()
+                job = pending.get(event.request_id)
+                if job is None:
+                    continue
                 if isinstance(event, TokenEvent):
                     if event.text:
-                        yield chunk(event.text)
+                        yield chunk(index[job.request_id], event.text)
                     continue
-                settled = True
+                del pending[event.request_id]
                 if isinstance(event, ErrorEvent):
                     error = self._failed(event)
                     self.metrics.errors.labels(endpoint.path, error.type).inc()
                     yield _sse(error.body())
                     break
                 completion = event.completion
-                done_at = self._finished(job, completion)
+                finished.append((job, completion, self._finished(job, completion)))
                 if event.unsent:
-                    yield chunk(event.unsent)
-                yield chunk(None, completion.finish_reason)
+                    yield chunk(index[job.request_id], event.unsent)
+                yield chunk(index[job.request_id], None, completion.finish_reason)
+            else:
                 if include_usage:
-                    timings = _timings(completion, job, done_at)
-                    yield _sse(
-                        head | {"choices": [], "usage": _usage(completion), "timings": timings}
-                    )
-                break
+                    usage = _usage([completion for _, completion, _ in finished])
+                    timings = _timings(*min(finished, key=lambda f: index[f[0].request_id]))
+                    yield _sse(head | {"choices": [], "usage": usage, "timings": timings})
             yield _sse("[DONE]")
         finally:
-            if not settled:
+            for job in pending.values():  # the client went away, or another job failed
                 self._abandon(job)
+            pending.clear()

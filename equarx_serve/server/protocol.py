@@ -7,10 +7,10 @@ place (`APIError`); FastAPI's validation errors become 400s with the field as `p
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
     "UNSUPPORTED",
@@ -18,6 +18,7 @@ __all__ = [
     "ChatBody",
     "ChatMessage",
     "CompletionBody",
+    "ErrorBody",
     "SamplingBody",
     "bad_request",
     "unavailable",
@@ -79,6 +80,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
 }
 
 
+MAX_STOP_SEQUENCES = 4  # as OpenAI
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -86,15 +90,15 @@ class StreamOptions(_Strict):
 class SamplingBody(_Strict):
     model_config = ConfigDict(strict=True, extra="allow")  # extras: checked by UNSUPPORTED
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=1)  # extension; above the vocabulary: all tokens
+    seed: int | None = None  # its low 32 bits are used
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=1)  # only 1
 
     @property
     def include_usage(self) -> bool:
@@ -102,12 +106,26 @@ class SamplingBody(_Strict):
 
 
 class CompletionBody(SamplingBody):
-    prompt: str | list[str]
+    # OpenAI's forms: a string, a list of strings, token ids, a list of token-id lists.
+    prompt: str | list[str] | list[int] | list[list[int]]
 
 
 class TextPart(_Strict):
     type: Literal["text"]
     text: str
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """Every error answer (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 class ChatMessage(_Strict):
@@ -122,8 +140,17 @@ class ChatMessage(_Strict):
 
 
 class ChatBody(SamplingBody):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # the newer name of max_tokens
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # the newer name of max_tokens
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic's name of a union member in an error location ("str", "list[int]",
+    "TextPart"), as opposed to a field name or a list index."""
+    return not part.isdigit() and (not part.isidentifier() or not part.islower() or part in _TYPES)
+
+
+_TYPES = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 
 def validation_api_error(error: RequestValidationError) -> APIError:
@@ -136,7 +163,7 @@ def validation_api_error(error: RequestValidationError) -> APIError:
         return bad_request(f"the body is not valid JSON: {detail}", None, "invalid_json")
     if first.get("type") == "missing" and not loc:
         return bad_request("the body must be a JSON object", None, "invalid_json")
-    param = ".".join(loc) or None
+    param = ".".join(p for p in loc if not _is_type_tag(p)) or None
     message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if "input" in first and first.get("type") != "missing":
         message += f" (got {json.dumps(first['input'], default=str)[:100]})"

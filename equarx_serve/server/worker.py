@@ -4,11 +4,13 @@ Requests wait in a bounded queue (`max_queue`; full: `QueueFull` at once). The w
 queued requests into the engine as slots free up (when the engine is idle it first waits
 `batch_window_s` for more, so a burst is prefilled as one batch), calls `engine.step()` and
 posts every event to its request's asyncio queue (`loop.call_soon_threadsafe`). A request the
-client gave up on (`cancel`) is skipped if still queued, else aborted in the engine, which frees
-its slot at once.
+client gave up on (`cancel`) leaves the queue at once (its place goes to the next request), or
+is aborted in the engine, which frees its slot at once.
 
 `drain()` refuses new requests (`Draining`) and lets queued and running ones finish; `stop()`
-drains, lets the worker finish everything, and joins it. `fail(reason)`, from any thread, is
+drains, lets the worker finish everything, and joins it. `end_all(reason)` answers every
+queued and running request with an `ErrorEvent` (unavailable) and aborts them (the end of a
+shutdown's grace period). `fail(reason)`, from any thread, is
 for an engine that can run no more steps (a lost process of the mesh): every queued and running
 request gets an `ErrorEvent` (unavailable) at once, even while the worker thread is stuck in a
 device step, new requests get `Unavailable`, and `on_failure(reason)` is called once.
@@ -17,6 +19,7 @@ device step, new requests get `Unavailable`, and `on_failure(reason)` is called 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import queue
@@ -77,9 +80,6 @@ class Job:
             self.cancelled = True
 
 
-_STOP = object()
-
-
 class EngineWorker:
     """The worker thread and its bounded queue (see the module doc)."""
 
@@ -102,7 +102,10 @@ class EngineWorker:
         self._on_queue_depth = on_queue_depth
         self._on_dequeue = on_dequeue
         self._on_failure = on_failure
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: collections.deque[Job] = collections.deque()  # guarded by _ready
+        self._ready = threading.Condition()  # a job was queued, or the stop mark was set
+        self._stop_requested = False
         self._cancels: queue.SimpleQueue[Job] = queue.SimpleQueue()
         self._jobs: dict[str, Job] = {}  # those in the engine
         self._lock = threading.Lock()  # guards _jobs and failure
@@ -118,7 +121,7 @@ class EngineWorker:
 
     @property
     def queue_depth(self) -> int:
-        return self._queue.qsize()
+        return len(self._queue)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="equarx-worker", daemon=True)
@@ -130,21 +133,42 @@ class EngineWorker:
             raise Unavailable(self.failure)
         if self.draining or not self.alive:
             raise Draining
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
-        self._on_queue_depth(self._queue.qsize())
+        with self._ready:
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull
+            self._queue.append(job)
+            self._on_queue_depth(len(self._queue))
+            self._ready.notify()
 
     def cancel(self, job: Job) -> None:
-        """The client went away: skip the job if queued, abort it if running."""
+        """The client went away: take the job out of the queue, or abort it if running."""
         job.cancelled = True
+        with self._ready:
+            if job in self._queue:
+                self._queue.remove(job)
+                self._on_queue_depth(len(self._queue))
+                return
         self._cancels.put(job)
+
+    def end_all(self, reason: str) -> None:
+        """Answers every queued and running request with an ErrorEvent (unavailable), and
+        aborts the running ones in the engine (the worker goes on)."""
+        with self._ready:
+            jobs = list(self._queue)
+            self._queue.clear()
+            self._on_queue_depth(0)
+        with self._lock:
+            jobs += self._jobs.values()
+        if jobs:
+            logger.warning("%s: ending %d requests", reason, len(jobs))
+        for job in jobs:
+            job.post(ErrorEvent(job.request_id, reason, ErrorKind.UNAVAILABLE))
+            self.cancel(job)
 
     def drain(self) -> None:
         """Refuse new requests from now on; queued and running ones still finish."""
         if not self.draining:
-            logger.info("draining: new requests get 503, %d queued", self._queue.qsize())
+            logger.info("draining: new requests get 503, %d queued", len(self._queue))
         self.draining = True
 
     def stop(self, timeout_s: float | None = None) -> None:
@@ -152,7 +176,9 @@ class EngineWorker:
         self.drain()
         if not self.alive:
             return
-        self._queue.put(_STOP)  # after every queued job (FIFO)
+        with self._ready:
+            self._stop_requested = True  # taken after every queued job
+            self._ready.notify()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("the worker did not finish within %s s", timeout_s)
@@ -165,15 +191,12 @@ class EngineWorker:
             self.failure = reason
             jobs = list(self._jobs.values())
         logger.error("the engine failed: %s; failing %d running requests", reason, len(jobs))
-        while True:
-            try:
-                jobs.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
+        with self._ready:
+            jobs += self._queue
+            self._queue.clear()
+            self._on_queue_depth(0)
         for job in jobs:
-            if job is not _STOP:
-                job.post(ErrorEvent(job.request_id, reason, ErrorKind.UNAVAILABLE))
-        self._on_queue_depth(0)
+            job.post(ErrorEvent(job.request_id, reason, ErrorKind.UNAVAILABLE))
         self._on_failure(reason)
 
     # -- the thread ----------------------------------------------------------------------------
@@ -199,22 +222,24 @@ class EngineWorker:
         the first and waits up to `batch_window_s` for more."""
         idle = not self.engine.has_unfinished
         deadline = None
-        while self.engine.room > 0 and not self._stopping:
-            try:
-                if idle and deadline is None:
-                    job = self._queue.get()  # nothing to do until a request comes
+        with self._ready:
+            while self.engine.room > 0 and not self._stopping:
+                if not self._queue:
+                    if self._stop_requested:
+                        self._stopping = True
+                        break
+                    if not idle:
+                        break
+                    timeout = None if deadline is None else deadline - time.perf_counter()
+                    if timeout is not None and timeout <= 0:
+                        break
+                    self._ready.wait(timeout)
+                    continue
+                job = self._queue.popleft()
+                if deadline is None:
                     deadline = time.perf_counter() + self.batch_window_s
-                elif idle:
-                    job = self._queue.get(timeout=max(0.0, deadline - time.perf_counter()))
-                else:
-                    job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is _STOP:
-                self._stopping = True
-            elif not job.cancelled:
                 self._admit(job)
-        self._on_queue_depth(self._queue.qsize())
+            self._on_queue_depth(len(self._queue))
 
     def _admit(self, job: Job) -> None:
         self._on_dequeue(job)
