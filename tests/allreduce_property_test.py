@@ -16,8 +16,11 @@ bound its algorithm documents:
                errors (the transform is orthonormal).
   naive-int8   the same with one scale per chunk (the ring's N hops), plus the rounding of
                its partial sums to the input dtype at every hop.
-  ring         psum's sum, rounded differently at most once (16-bit wire: the reduced chunk).
-Each is compared with psum after both are rounded to the output dtype (one ulp between them).
+  ring         the exact sum, rounded once more at most (16-bit wire: the reduced chunk).
+Each result must lie within that bound (plus one rounding to the output dtype) of the exact
+sum, and within that plus psum's own rounding of psum's result (XLA:CPU widens bfloat16 to f32
+but sums float16 in float16: N - 1 roundings). naive-int8 has no NaN/Inf handling: it gets
+finite inputs, and a strict xfail records what one NaN does to it.
 
 Inputs cover ranks 0-3, sizes at and around the quantization block (64) and the chunk and
 lane edges of 2 and 4 devices, bfloat16/float32/float16, and mixtures of zeros, denormals,
@@ -67,6 +70,7 @@ settings.register_profile(
     "explore",
     max_examples=120,
     deadline=None,
+    database=None,  # no .hypothesis/ folder in the checkout
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 PROFILE = settings.get_profile(os.environ.get("EQUARX_HYPOTHESIS_PROFILE", "ci"))
