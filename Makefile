@@ -1,15 +1,16 @@
 # Two commands do everything: `make demo` runs the main job, `make test` runs the tests.
-# Both build .venv (Python >= 3.12, found by scripts/find-python.sh) when it is missing.
+# Both build .venv (Python >= 3.12, found by scripts/find-python.sh) when it is missing or
+# older than requirements.lock.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint clean
 
-$(STAMP): pyproject.toml
-	@test -x $(PY) || "$$(scripts/find-python.sh)" -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+# Exactly the versions in requirements.lock (scripts/install-venv.sh; re-lock with
+# scripts/lock.sh after changing a dependency in pyproject.toml).
+$(STAMP): pyproject.toml requirements.lock scripts/install-venv.sh
+	scripts/install-venv.sh $(VENV)
 	@touch $(STAMP)
 
 demo: $(STAMP)

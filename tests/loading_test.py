@@ -372,11 +372,28 @@ def test_missing_extra_and_misshapen_tensors(tmp_path):
 
 
 # -- the cache ------------------------------------------------------------------------------
-def test_second_load_is_faster_and_identical(gemma270m, cache_root):
+def _file_stamps(folder: Path) -> dict[str, tuple[int, int]]:
+    """(inode, mtime in ns) of every file under `folder`: changes when a file is rewritten."""
+    return {
+        str(f.relative_to(folder)): (f.stat().st_ino, f.stat().st_mtime_ns)
+        for f in sorted(folder.rglob("*"))
+        if f.is_file()
+    }
+
+
+def test_second_load_reads_the_cache_without_converting(gemma270m, cache_root, monkeypatch):
     params, tokenizer, info = gemma270m
+    stamps = _file_stamps(info.cache_dir)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the second load converted the GGUF file again")
+
+    monkeypatch.setattr(cache_mod, "load_gguf_params", no_conversion)
+    monkeypatch.setattr(cache_mod, "sentencepiece_proto_from_gguf", no_conversion)
     params2, tokenizer2, info2 = load_gemma3_270m(cache_dir=cache_root)
     assert info2.from_cache
-    assert info2.seconds < info.seconds / 2, (info.seconds, info2.seconds)
+    assert _file_stamps(info.cache_dir) == stamps, "the cache was rewritten"
+    assert {p.name for p in cache_root.iterdir()} == {"gguf", info.cache_dir.name}
     assert info2.weights_sha256 == info.weights_sha256 == params_sha256(params2)
     assert info2.cache_dir == cache_root / info.gguf_sha256[:16]
     assert info2.tokenizer_path.is_file() and info2.manifest_path.is_file()
