@@ -5,6 +5,9 @@
     equarx-serve bench prefill [--model NAME] [--tp N | --processes N] [--batch B]
                                [--seq-lens ...] [--methods ...] [--repeats R]
                                [--checkpoint PATH --tokenizer PATH] [--json PATH] [--plot PATH]
+    equarx-serve bench compare [--seq-lens ...] [--batches ...] [--max-tokens N] [--repeats R]
+                               [--threads N] [--model NAME] [--tp N] [--all-reduce METHOD]
+                               [--dtype D] [--json PATH]
     equarx-serve demo [--out-dir DIR]
     equarx-serve generate --prompt TEXT [--prompt-file PATH] [--chat] [--model NAME] [--tp N]
                           [--all-reduce METHOD] [--max-tokens N] [--temperature T] [--top-k K]
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from equarx_serve import demo, generate_command, serve_command
-from equarx_serve.bench import allreduce, prefill
+from equarx_serve.bench import allreduce, compare, prefill
 from eval import command as eval_command
 
 
@@ -35,6 +38,10 @@ def _bench_allreduce(args: argparse.Namespace) -> int:
 
 def _bench_prefill(args: argparse.Namespace) -> int:
     return prefill.run(prefill.config_from_args(args))
+
+
+def _bench_compare(args: argparse.Namespace) -> int:
+    return compare.run(compare.config_from_args(args))
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -68,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prefill.add_arguments(bench_prefill)
     bench_prefill.set_defaults(handler=_bench_prefill, command_parser=bench_prefill)
+    bench_compare = benchmarks.add_parser(
+        "compare",
+        help="this project beside llama.cpp on the same GGUF: prefill and decode, with this "
+        "machine's limits",
+        description=compare.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_arguments(bench_compare)
+    bench_compare.set_defaults(handler=_bench_compare, command_parser=bench_compare)
 
     demo_parser = commands.add_parser(
         "demo",
