@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
+from equarx_serve.bench.prefill import _seq_len
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.devices import set_host_device_count
 from equarx_serve.model_args import add_model_arguments, check_model_arguments
@@ -61,7 +62,6 @@ DEFAULT_SEQ_LENS = (128, 512, 2048)
 DEFAULT_BATCHES = (1, 8)
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_REPEATS = 3
-MAX_SEQ_LEN = 4096
 LLAMA_MODEL = "gemma3-270m"  # the model whose GGUF file llama.cpp can run beside ours
 LLAMA_BATCH = 512  # llama.cpp's default n_batch and n_ubatch
 INSTALL_HINT = "pip install -e '.[compare]' (builds llama.cpp: ~8 min on 2 cores)"
@@ -671,13 +671,6 @@ def run(config: CompareConfig, llama: LlamaFactory = open_llama_cpp) -> int:
 
 
 # -- Command line --------------------------------------------------------------------------------
-
-
-def _seq_len(text: str) -> int:
-    value = int_at_least(1)(text)
-    if value > MAX_SEQ_LEN:
-        raise ValueError(f"invalid sequence length {value}: at most {MAX_SEQ_LEN}")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
