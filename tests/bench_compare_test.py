@@ -62,8 +62,8 @@ def compared(tmp_path_factory):
     calls: list[tuple[str, str, int]] = []
     fakes: list[FakeSide] = []
 
-    def factory(config, engine, n_ctx):
-        assert n_ctx >= max(config.seq_lens)
+    def factory(config, engine, context):
+        assert context >= max(config.seq_lens)
         fakes.append(FakeSide(calls))
         return fakes[-1]
 
@@ -230,7 +230,7 @@ class FakeLlamaCpp(types.ModuleType):
         return 1
 
     def llama_context_default_params(self):
-        return types.SimpleNamespace()
+        return types.SimpleNamespace(n_batch=512, n_ubatch=512)
 
     def llama_init_from_model(self, model, params):
         self.context = params
@@ -296,10 +296,10 @@ def fake_llama(monkeypatch):
 
 
 def test_llama_side_prefills_in_chunks_with_logits_at_the_end(fake_llama):
-    side = compare.LlamaCppSide(Path("m.gguf"), threads=3, n_ctx=4096, n_seq_max=2)
+    side = compare.LlamaCppSide(Path("m.gguf"), threads=3, context=2048, n_seq_max=2)
     assert fake_llama.context.n_threads == fake_llama.context.n_threads_batch == 3
-    assert fake_llama.context.n_batch == fake_llama.context.n_ubatch == compare.LLAMA_BATCH
-    assert fake_llama.context.n_seq_max == 2 and fake_llama.context.n_ctx == 4096
+    assert fake_llama.context.n_batch == 512  # llama.cpp's own default is kept
+    assert fake_llama.context.n_seq_max == 2 and fake_llama.context.n_ctx == 2 * 2048
     prompt = list(range(1, 1201))
     assert side.prefill(prompt) >= 0
     assert [len(b) for b in fake_llama.batches] == [512, 512, 176]
@@ -310,7 +310,7 @@ def test_llama_side_prefills_in_chunks_with_logits_at_the_end(fake_llama):
 
 
 def test_llama_side_decodes_a_batch_greedily_one_step_per_token(fake_llama):
-    side = compare.LlamaCppSide(Path("m.gguf"), threads=2, n_ctx=4096, n_seq_max=3)
+    side = compare.LlamaCppSide(Path("m.gguf"), threads=2, context=64, n_seq_max=3)
     prompt = [2, 40, 41]
     run = side.decode(prompt, batch=3, max_tokens=4)
     assert run.first_sequence == (42, 43, 44, 45)
@@ -322,7 +322,7 @@ def test_llama_side_decodes_a_batch_greedily_one_step_per_token(fake_llama):
 
 
 def test_llama_side_reports_a_failed_decode(fake_llama):
-    side = compare.LlamaCppSide(Path("m.gguf"), threads=2, n_ctx=64, n_seq_max=1)
+    side = compare.LlamaCppSide(Path("m.gguf"), threads=2, context=64, n_seq_max=1)
     fake_llama.status = 1
     with pytest.raises(RuntimeError, match="llama_decode returned 1"):
         side.prefill([2, 3])
@@ -336,7 +336,7 @@ def test_real_llama_cpp_continues_the_quick_brown_fox():
 
     path, _ = packaged_gguf_path()
     tokenizer = load_gemma3_270m(verify=False)[1]
-    side = compare.LlamaCppSide(path, threads=2, n_ctx=256, n_seq_max=2)
+    side = compare.LlamaCppSide(path, threads=2, context=128, n_seq_max=2)
     try:
         run = side.decode(tokenizer.encode("The quick brown fox"), batch=2, max_tokens=6)
     finally:

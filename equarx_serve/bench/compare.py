@@ -10,15 +10,16 @@ One process holds both sides:
     devices, --all-reduce) and one `decode.Generator` per decode batch size;
   - llama.cpp: `llama-cpp-python` (the optional dependency group `compare`:
     `pip install -e '.[compare]'`) on the very GGUF file the project's weights come from,
-    --threads threads (default: every core), its default batch sizes (n_batch = n_ubatch =
-    512). Without llama-cpp-python, or for another model, its columns say "skipped" and why.
+    --threads threads (default: every core), its default batch sizes (n_batch 2048 tokens a
+    call, n_ubatch 512 a compute step) and a KV cache of its own for each decode row.
+    Without llama-cpp-python, or for another model, its columns say "skipped" and why.
 
 What is timed, per workload, after one untimed run of every workload on every side (it
 compiles the project's programs):
   prefill L  one prompt of L random token ids (fixed seed, special ids never drawn), logits at
              its last token. Project: `engine.prefill([prompt])` to `block_until_ready`.
-             llama.cpp: a cleared KV cache, then `llama_decode` of the prompt in n_batch
-             chunks, logits of the last token only.
+             llama.cpp: a cleared KV cache, then `llama_decode` of the prompt (in n_batch
+             chunks), logits of the last token only.
   decode B   B copies of one English prompt, greedy, --max-tokens tokens each; tokens/s from
              the first generated token to the last (the prefill excluded), in total and per
              sequence. Project: `Generator(engine, max_batch=B).generate` (its Completions'
@@ -63,7 +64,6 @@ DEFAULT_BATCHES = (1, 8)
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_REPEATS = 3
 LLAMA_MODEL = "gemma3-270m"  # the model whose GGUF file llama.cpp can run beside ours
-LLAMA_BATCH = 512  # llama.cpp's default n_batch and n_ubatch
 INSTALL_HINT = "pip install -e '.[compare]' (builds llama.cpp: ~8 min on 2 cores)"
 # The decode prompt: plain English, so that greedy continuations run on without an EOS.
 DECODE_PROMPT = (
@@ -293,10 +293,10 @@ class ProjectSide:
 
 
 class LlamaCppSide:
-    """llama.cpp through `llama-cpp-python`'s C API: one context with a sequence slot per
-    decode row (see the module doc)."""
+    """llama.cpp through `llama-cpp-python`'s C API: one context with `n_seq_max` sequences of
+    up to `context` tokens each (see the module doc)."""
 
-    def __init__(self, gguf_path: Path, *, threads: int, n_ctx: int, n_seq_max: int):
+    def __init__(self, gguf_path: Path, *, threads: int, context: int, n_seq_max: int):
         import llama_cpp
 
         self._llama = llama_cpp
@@ -306,16 +306,16 @@ class LlamaCppSide:
         if not self._model:
             raise RuntimeError(f"llama.cpp could not load {gguf_path}")
         ctx_params = llama_cpp.llama_context_default_params()
-        ctx_params.n_ctx = n_ctx
-        ctx_params.n_batch = ctx_params.n_ubatch = LLAMA_BATCH
+        ctx_params.n_ctx = context * n_seq_max  # split evenly: each sequence its own cache
         ctx_params.n_seq_max = n_seq_max
+        self.n_batch = ctx_params.n_batch
         ctx_params.n_threads = ctx_params.n_threads_batch = threads
         self._ctx = llama_cpp.llama_init_from_model(self._model, ctx_params)
         if not self._ctx:
             raise RuntimeError("llama.cpp could not create a context")
         vocab = llama_cpp.llama_model_get_vocab(self._model)
         self.vocab_size = llama_cpp.llama_vocab_n_tokens(vocab)
-        self._batch = llama_cpp.llama_batch_init(max(LLAMA_BATCH, n_seq_max), 0, n_seq_max)
+        self._batch = llama_cpp.llama_batch_init(max(self.n_batch, n_seq_max), 0, n_seq_max)
         version = getattr(llama_cpp, "__version__", "?")
         self.name = f"llama.cpp ({threads} threads, llama-cpp-python {version})"
 
@@ -342,8 +342,8 @@ class LlamaCppSide:
 
     def _prompt(self, tokens: Sequence[int], seq: int) -> None:
         """The prompt of sequence `seq` in n_batch chunks, logits at its last token."""
-        for start in range(0, len(tokens), LLAMA_BATCH):
-            chunk = tokens[start : start + LLAMA_BATCH]
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
             last = start + len(chunk) == len(tokens)
             self._decode([
                 (t, start + i, seq, last and i == len(chunk) - 1) for i, t in enumerate(chunk)
@@ -382,7 +382,7 @@ class LlamaCppSide:
 LlamaFactory = Callable[[CompareConfig, Any, int], "Side | str"]
 
 
-def open_llama_cpp(config: CompareConfig, engine: Any, n_ctx: int) -> Side | str:
+def open_llama_cpp(config: CompareConfig, engine: Any, context: int) -> Side | str:
     """llama.cpp on the GGUF file the engine's weights came from, or why it cannot run."""
     gguf = engine.info.get("gguf_path")
     if config.model != LLAMA_MODEL or gguf is None:
@@ -395,7 +395,7 @@ def open_llama_cpp(config: CompareConfig, engine: Any, n_ctx: int) -> Side | str
     except ImportError:
         return f"llama-cpp-python is not installed: {INSTALL_HINT}"
     return LlamaCppSide(
-        Path(gguf), threads=config.threads, n_ctx=n_ctx, n_seq_max=max(config.batches)
+        Path(gguf), threads=config.threads, context=context, n_seq_max=max(config.batches)
     )
 
 
@@ -527,8 +527,8 @@ def compare(config: CompareConfig, llama: LlamaFactory = open_llama_cpp) -> Comp
     prompts = {0: decode_prompt}
     for n in config.seq_lens:
         [prompts[n]] = random_prompts(1, n, engine.config.vocab_size, special, config.seed + n)
-    n_ctx = max(*config.seq_lens, max(config.batches) * (len(decode_prompt) + config.max_tokens))
-    other = llama(config, engine, n_ctx)
+    context = max(*config.seq_lens, len(decode_prompt) + config.max_tokens)  # tokens a sequence
+    other = llama(config, engine, context)
     sides: list[Side] = [project] if isinstance(other, str) else [project, other]
     machine = measure_machine(config.matmul_size, config.stream_mib)
     try:
