@@ -68,6 +68,14 @@ def masked_attention(
     return encoded.reshape(b, t, n, h)  # [B, T, N, H]
 
 
+def default_block_size(window: int, length: int) -> int:
+    """Half the window (at most `length`). Measured (2 cores, 2 fake devices in parallel), one
+    local layer of Gemma 3 270M at TP = 2 (2 query heads, 1 KV head, H 256), T 2048, W 512:
+    bf16 masked full 177 ms, C = 512 58 ms, C = 256 36 ms, C = 128 35 ms; f32 274, 130, 117,
+    151 ms."""
+    return min(-(-window // 2), length)
+
+
 def window_reach(window: int, block_size: int) -> int:
     """R: how many key blocks before its own a query block's window reaches."""
     return -(-(window - 1) // block_size)
@@ -104,8 +112,9 @@ def local_attention(
     query [B, T, N, H], key and value [B, T, K, H] (the same T positions), positions [B, T]
     (gemma's: each token's index among its row's real tokens), input_mask [B, T] bool (real
     tokens; each row's contiguous) -> [B, T, N, H], equal to `masked_attention` with gemma's
-    causal and sliding-window masks at every real query. `block_size` C (default: the window,
-    at most T) trades the band's width (R + 1) C against the number of blocks.
+    causal and sliding-window masks at every real query. `block_size` C trades the band's
+    width (R + 1) C against the number of blocks; the default, `default_block_size`, was the
+    fastest measured at 270M's shapes.
     """
     _check_window(window)
     b, t, n, h = query.shape
@@ -118,7 +127,7 @@ def local_attention(
             f"positions and input_mask must be [B, T] = {(b, t)}: got {positions.shape}, "
             f"{input_mask.shape}"
         )
-    c = min(window, t) if block_size is None else block_size
+    c = default_block_size(window, t) if block_size is None else block_size
     if not isinstance(c, int) or isinstance(c, bool) or c < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     k = key.shape[2]

@@ -135,7 +135,8 @@ def test_prefill_soft_cap_applies_before_the_mask():
     uncapped = _reference_prefill(query, key, value, input_mask, 8, None)
     assert np.abs(np.asarray(want - uncapped)).max() > 0.1  # the cap matters here
     got = local_attention(query, key, value, positions, input_mask, window=8, softcap=5.0)
-    _assert_real_rows_close(got, want, input_mask, atol=2e-6)
+    # Peaked softmaxes: the sums' order shows a little more than with O(1) logits.
+    _assert_real_rows_close(got, want, input_mask, atol=1e-5)
 
 
 def test_prefill_bf16_within_bf16_rounding():
@@ -210,7 +211,7 @@ def test_decode_ignores_cache_entries_outside_the_window():
 def test_prefill_flops_scale_with_the_window():
     """XLA's FLOP count of the compiled attention at Gemma 3 270M's shapes per device (2 query
     heads, 1 KV head, H = 256), T = 2048, W = 512: the blocked one does well under the full
-    one's work (logits and weighted values over (R + 1) C = 1024 keys instead of 2048)."""
+    one's work (logits and weighted values over (R + 1) C = 768 keys instead of 2048)."""
     t, window = 2048, 512
     q = jax.ShapeDtypeStruct((1, t, 2, 256), jnp.float32)
     kv = jax.ShapeDtypeStruct((1, t, 1, 256), jnp.float32)
@@ -228,8 +229,8 @@ def test_prefill_flops_scale_with_the_window():
         compiled = jax.jit(fn).lower(q, kv, kv, pos_shape, mask_shape).compile()
         return compiled.cost_analysis()["flops"]
 
-    assert window_reach(window, window) == 1
-    assert flops(blocked) < 0.6 * flops(full)
+    assert window_reach(window, 256) == 2
+    assert flops(blocked) < 0.5 * flops(full)
 
 
 @pytest.mark.parametrize(

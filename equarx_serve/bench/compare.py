@@ -43,6 +43,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import logging
 import math
 import os
 import platform
@@ -300,6 +301,8 @@ class LlamaCppSide:
         import llama_cpp
 
         self._llama = llama_cpp
+        # llama-cpp-python prints llama.cpp's log through this logger: errors only.
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         llama_cpp.llama_backend_init()
         model_params = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(gguf_path).encode(), model_params)
