@@ -30,7 +30,7 @@ TINY = compare.CompareConfig(
     max_tokens=3,
     repeats=2,
     matmul_size=64,
-    stream_mib=1,
+    read_mib=1,
 )
 
 
@@ -128,7 +128,7 @@ def test_machine_limits_are_reported(compared):
     report, _, _ = compared
     machine = report["machine"]
     assert set(machine["matmul_gflops"]) == {"float32", "bfloat16"}
-    assert all(v > 0 for v in machine["matmul_gflops"].values()) and machine["stream_gb_s"] > 0
+    assert all(v > 0 for v in machine["matmul_gflops"].values()) and machine["read_gb_s"] > 0
     limits = report["limits"]
     assert limits["prefill 16"]["flops"] == compare.prefill_flops(get_config("tiny"), 16)
     assert limits["prefill 32"]["floor_ms"] > limits["prefill 16"]["floor_ms"] > 0

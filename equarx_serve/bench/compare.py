@@ -30,11 +30,13 @@ Every round runs each workload on both sides, the order of the sides alternating
 round; the tables give the median of --repeats rounds.
 
 The machine's limits, measured in the same run: GFLOP/s of a 2048^3 matmul (`jnp.dot`, one
-device, f32 and bf16) and the stream rate (read + write bytes per second of a jitted
-elementwise pass over 256 MiB of f32). From them: the prefill's FLOP-bound floor (the model's
-FLOPs, `prefill_flops`, at the faster matmul rate) and decode's ceiling (a step reads every
-weight once: weight bytes at the stream rate, or the batch's FLOPs at the matmul rate,
-whichever takes longer), for the project's weights in --dtype and for the GGUF file's bytes.
+device, f32 and bf16) and the read rate (bytes per second of a jitted sum over 256 MiB of
+f32 split over every local device, all summing at once; a read-only pass: a written output
+would time the page faults of a fresh buffer, ~10x slower here). From them: the prefill's
+FLOP-bound floor (the model's FLOPs, `prefill_flops`, at the faster matmul rate) and
+decode's ceiling (a step reads every weight once: weight bytes at the read rate, or the
+batch's FLOPs at the matmul rate, whichever takes longer), for the project's weights in
+--dtype and for the GGUF file's bytes.
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ DECODE_PROMPT = (
     "system that could produce books far faster than scribes. Within fifty years"
 )
 MATMUL_SIZE = 2048
-STREAM_MIB = 256
+READ_MIB = 256
 
 
 # -- Workloads and what each side reports --------------------------------------------------------
@@ -139,7 +141,7 @@ class CompareConfig:
     json_path: Path | None = None
     seed: int = 0
     matmul_size: int = MATMUL_SIZE
-    stream_mib: int = STREAM_MIB
+    read_mib: int = READ_MIB
 
     @property
     def workloads(self) -> list[Workload]:
@@ -195,13 +197,13 @@ def weight_bytes(config: Any, itemsize: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class MachineLimits:
-    """matmul_gflops: {dtype: GFLOP/s of an n^3 `jnp.dot` on one device}; stream_gb_s: read +
-    write GB/s of a jitted elementwise pass (see the module doc)."""
+    """matmul_gflops: {dtype: GFLOP/s of an n^3 `jnp.dot` on one device}; read_gb_s: GB/s
+    read by a sum over every local device (see the module doc)."""
 
     matmul_gflops: dict[str, float]
-    stream_gb_s: float
+    read_gb_s: float
     matmul_size: int
-    stream_mib: int
+    read_mib: int
 
     @property
     def best_gflops(self) -> float:
@@ -212,10 +214,10 @@ class MachineLimits:
         return flops / (self.best_gflops * 1e9) * 1e3
 
     def decode_ceiling(self, bytes_per_step: float, flops_per_token: float, batch: int) -> float:
-        """Total tokens/s when a step reads every weight once (at the stream rate) or computes
+        """Total tokens/s when a step reads every weight once (at the read rate) or computes
         its batch's FLOPs (at the matmul rate), whichever takes longer."""
         step_s = max(
-            bytes_per_step / (self.stream_gb_s * 1e9),
+            bytes_per_step / (self.read_gb_s * 1e9),
             batch * flops_per_token / (self.best_gflops * 1e9),
         )
         return batch / step_s
@@ -234,10 +236,13 @@ def _median_seconds(fn: Callable[..., Any], *args: Any, repeats: int = 5) -> flo
     return statistics.median(times)
 
 
-def measure_machine(matmul_size: int = MATMUL_SIZE, stream_mib: int = STREAM_MIB) -> MachineLimits:
-    """The matmul and stream rates (module doc), each the median of 5 runs."""
+def measure_machine(matmul_size: int = MATMUL_SIZE, read_mib: int = READ_MIB) -> MachineLimits:
+    """The matmul and read rates (module doc), each the median of 5 runs."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     device = jax.devices()[0]
     n = matmul_size
@@ -246,10 +251,14 @@ def measure_machine(matmul_size: int = MATMUL_SIZE, stream_mib: int = STREAM_MIB
         a = jax.device_put(jnp.ones((n, n), dtype), device)
         b = jax.device_put(jnp.ones((n, n), dtype), device)
         rates[jnp.dtype(dtype).name] = 2 * n**3 / _median_seconds(jax.jit(jnp.dot), a, b) / 1e9
-    elements = stream_mib * 2**20 // 4
-    x = jax.device_put(jnp.ones((elements,), jnp.float32), device)
-    stream = 2 * elements * 4 / _median_seconds(jax.jit(lambda v: v + 1.0), x) / 1e9
-    return MachineLimits(rates, stream, matmul_size, stream_mib)
+    devices = jax.devices()
+    mesh = Mesh(np.array(devices), ("d",))
+    elements = read_mib * 2**20 // 4 // len(devices) * len(devices)
+    x = jax.device_put(jnp.ones((elements,), jnp.float32), NamedSharding(mesh, P("d")))
+    total = jax.jit(jax.shard_map(lambda v: jnp.sum(v, keepdims=True), mesh=mesh,
+                                  in_specs=P("d"), out_specs=P("d")))  # fmt: skip
+    read = elements * 4 / _median_seconds(total, x) / 1e9
+    return MachineLimits(rates, read, matmul_size, read_mib)
 
 
 # -- The two sides -------------------------------------------------------------------------------
@@ -533,7 +542,7 @@ def compare(config: CompareConfig, llama: LlamaFactory = open_llama_cpp) -> Comp
     context = max(*config.seq_lens, len(decode_prompt) + config.max_tokens)  # tokens a sequence
     other = llama(config, engine, context)
     sides: list[Side] = [project] if isinstance(other, str) else [project, other]
-    machine = measure_machine(config.matmul_size, config.stream_mib)
+    machine = measure_machine(config.matmul_size, config.read_mib)
     try:
         rows = measure(sides, prompts, config)
     finally:
@@ -576,7 +585,7 @@ def format_report(result: Comparison, config: CompareConfig) -> str:
         f"B: {llama if llama else 'llama.cpp: skipped: ' + str(result.skipped)}",
         f"machine: matmul {m.matmul_size}^3 "
         + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in m.matmul_gflops.items())
-        + f" (one device); stream {m.stream_gb_s:.1f} GB/s (read + write, {m.stream_mib} MiB)",
+        + f" (one device); read {m.read_gb_s:.1f} GB/s ({m.read_mib} MiB, every device)",
         "\nprefill, one prompt, last-token logits (ms)",
     ]
     lines = [["tokens", "A ms", "B ms", "A speed / B", "FLOP-bound floor ms", "A / floor"]]
@@ -623,7 +632,7 @@ def format_report(result: Comparison, config: CompareConfig) -> str:
     text.append(
         "A speed / B > 1: this project is faster. Floor / ceilings: this machine's limits for "
         "this model (FLOPs at the measured matmul rate; weights read once a step at the "
-        "measured stream rate), not measurements of either side."
+        "measured read rate), not measurements of either side."
     )
     return "\n".join(text)
 
