@@ -260,22 +260,32 @@ def sample(
 # -- Quality metrics ------------------------------------------------------------------------------
 
 
+def _log_softmax(block: jax.Array, axis_name: str) -> jax.Array:
+    """[..., V/T] -> its log-probabilities (f32) under the whole vocabulary's softmax."""
+    block = block.astype(jnp.float32)
+    return block - _logsumexp(block, axis_name)[..., None]
+
+
+def _kl(log_p: jax.Array, log_q: jax.Array, axis_name: str) -> jax.Array:
+    return lax.psum(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1), axis_name)
+
+
 def token_metrics(
     reference_block: jax.Array,
+    float32_block: jax.Array,
     block: jax.Array,
     targets: jax.Array,
     axis_name: str = AXIS,
 ) -> dict[str, jax.Array]:
-    """`eval.metrics.token_metrics` on sharded logits: reference_block, block [B, L, V/T],
-    targets [B, L] -> per position [B, L] (replicated): nll, kl, top1, top5, max_abs,
-    mean_abs, cosine, nonfinite (see there). Only [B, L] maxima and sums and 5 candidates a
-    row cross devices."""
+    """`eval.metrics.token_metrics` on sharded logits: the reference's, the float32 model's
+    and the method's logits [B, L, V/T], targets [B, L] -> per position [B, L] (replicated):
+    nll, kl, kl_to_float32, top1, top5, max_abs, mean_abs, cosine, nonfinite (see there).
+    Only [B, L] maxima and sums and 5 candidates a row cross devices."""
     p = reference_block.astype(jnp.float32)  # [B, L, V/T]
     q = block.astype(jnp.float32)
     block_size = q.shape[-1]
     vocab = block_size * lax.axis_size(axis_name)
-    log_p = p - _logsumexp(p, axis_name)[..., None]  # [B, L, V/T]
-    log_q = q - _logsumexp(q, axis_name)[..., None]
+    log_p, log_q = _log_softmax(p, axis_name), _log_softmax(q, axis_name)  # [B, L, V/T]
 
     local_target = targets - _block_offset(block_size, axis_name)  # [B, L]
     mine = (local_target >= 0) & (local_target < block_size)
@@ -283,7 +293,6 @@ def token_metrics(
         log_q, jnp.clip(local_target, 0, block_size - 1)[..., None], axis=-1
     )[..., 0]
     nll = -lax.psum(jnp.where(mine, target_log_q, 0.0), axis_name)
-    kl = lax.psum(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1), axis_name)
 
     _, top_p_ids = top_k(p, METRICS_TOP_K, axis_name)  # [B, L, 5]
     _, top_q_ids = top_k(q, METRICS_TOP_K, axis_name)
@@ -295,7 +304,8 @@ def token_metrics(
     )
     return {
         "nll": nll,
-        "kl": kl,
+        "kl": _kl(log_p, log_q, axis_name),
+        "kl_to_float32": _kl(_log_softmax(float32_block, axis_name), log_q, axis_name),
         "top1": (top_p_ids[..., 0] == top_q_ids[..., 0]).astype(jnp.float32),
         "top5": jnp.mean(shared, axis=-1, dtype=jnp.float32),
         "max_abs": lax.pmax(jnp.max(diff, axis=-1), axis_name),

@@ -185,6 +185,7 @@ def test_token_metrics_equal_those_of_gathered_logits(tp):
     rng = np.random.default_rng(6)
     reference = rng.standard_normal((2, 9, VOCAB)).astype(np.float32) * 3
     logits = reference + rng.standard_normal(reference.shape).astype(np.float32) * 0.3
+    float32 = reference + rng.standard_normal(reference.shape).astype(np.float32) * 0.1
     logits[1, 4, 17] = np.inf  # a non-finite logit is counted
     targets = rng.integers(0, VOCAB, (2, 9)).astype(np.int32)
     targets[0, :3] = [0, VOCAB - 1, VOCAB // tp]  # shard edges
@@ -194,19 +195,20 @@ def test_token_metrics_equal_those_of_gathered_logits(tp):
         jax.shard_map(
             vp.token_metrics,
             mesh=mesh,
-            in_specs=(split, split, P()),
+            in_specs=(split, split, split, P()),
             out_specs=P(),
             check_vma=False,
         )
     )
-    got = {k: np.asarray(v) for k, v in sharded(reference, logits, targets).items()}
-    want = {k: np.asarray(v) for k, v in metrics.token_metrics(reference, logits, targets).items()}
+    got = {k: np.asarray(v) for k, v in sharded(reference, float32, logits, targets).items()}
+    base = metrics.baseline(reference, float32)
+    want = {k: np.asarray(v) for k, v in metrics.token_metrics(base, logits, targets).items()}
     assert set(got) == set(want)
     finite = np.ones((2, 9), bool)
     finite[1, 4] = False  # log-softmax, KL and errors of the row with Inf are NaN/Inf in both
     for name in ("top1", "top5", "nonfinite"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
-    for name in ("nll", "kl", "max_abs", "mean_abs", "cosine"):
+    for name in ("nll", "kl", "kl_to_float32", "max_abs", "mean_abs", "cosine"):
         np.testing.assert_allclose(
             got[name][finite], want[name][finite], rtol=2e-5, atol=2e-6, err_msg=name
         )
