@@ -690,6 +690,10 @@ class SamplingInputs:
     seeds: jax.Array
     steps: jax.Array
 
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """(temperature, top_k, top_p, seeds, steps), in `sample_tokens`'s argument order."""
+        return self.temperature, self.top_k, self.top_p, self.seeds, self.steps
+
 
 @flax.struct.dataclass
 class SampledStep:
@@ -831,15 +835,7 @@ class TensorParallelGemma3:
 
         def sample(logits, sampling):
             return vocab_parallel.sample(
-                logits,
-                sampling.temperature,
-                sampling.top_k,
-                sampling.top_p,
-                sampling.seeds,
-                sampling.steps,
-                mode=mode,
-                max_k=max_k,
-                axis_name=self.axis_name,
+                logits, *sampling.arrays(), mode=mode, max_k=max_k, axis_name=self.axis_name
             )
 
         return sample

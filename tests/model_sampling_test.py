@@ -74,16 +74,7 @@ def test_sampling_decode_step_draws_what_sampling_the_gathered_logits_draws(tp, 
     step_tokens = jnp.asarray(tokens[np.arange(ROWS), lengths])
     copy = jax.tree.map(jnp.copy, cache)
     plain = model.decode(params, copy, step_tokens, jnp.asarray(lengths))
-    want = sample_tokens(
-        np.asarray(plain.logits),
-        sampling.temperature,
-        sampling.top_k,
-        sampling.top_p,
-        sampling.seeds,
-        sampling.steps,
-        mode=mode,
-        max_k=max_k,
-    )
+    want = sample_tokens(np.asarray(plain.logits), *sampling.arrays(), mode=mode, max_k=max_k)
     got = model.sampling_decoder(mode, max_k)(
         params, cache, step_tokens, jnp.asarray(lengths), sampling
     )
