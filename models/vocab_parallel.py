@@ -8,13 +8,13 @@ every device computes and holds all V logits of every row; here device d holds r
 
   - `argmax`, `top_k`: each device's maxima / top-k candidates with their global indices
     (`top_k`: k a row per device, all-gathered; the global top-k is taken from them);
-  - `sample`: the same, plus sums for top-p's softmax normalizer; `decode.sample_tokens`'s
+  - `sample`: the same, plus sums for top-p's softmax normalizer; `sampling.sample_tokens`'s
     semantics exactly (temperature, top-k, top-p, per-row seeds), see there;
   - `token_metrics`: maxima and sums ([B, L] per statistic) and 5 candidates a row;
   - `embed`: the token lookup, one psum of [B, L, D] (each token's row lives on one device);
   - `gather`: the whole [..., V], only when a caller asks for it.
 
-Exactness. Greedy and top-k sampling equal `decode.sample_tokens` on the gathered logits bit
+Exactness. Greedy and top-k sampling equal `sampling.sample_tokens` on the gathered logits bit
 for bit: the same threshold value, and each device adds the same Gumbel noise
 (`jax.random.categorical` is argmax(logits + gumbel(key, [V]))) to its slice. Top-p equals
 it except where the nucleus boundary's cumulative probability is within float rounding of
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 AXIS = "tp"
-# decode.sample_tokens's clamp: temperatures below it are raised to it (0 means greedy).
+# sampling.sample_tokens's clamp: temperatures below it are raised to it (0: greedy).
 MIN_TEMPERATURE = 1e-5
 # Top-p candidates gathered per device and row: nuclei up to this many tokens are resolved
 # from them; a wider one falls back to the gathered logits.
@@ -142,7 +142,7 @@ def _gumbel_block(keys: jax.Array, vocab_size: int, block_size: int, axis_name: 
 def _top_p_threshold_gathered(
     scaled_block: jax.Array, top_k_: jax.Array, top_p: jax.Array, axis_name: str
 ) -> jax.Array:
-    """`decode.sample_tokens`'s top-p threshold [B, 1], computed as it does on the gathered
+    """`sampling.sample_tokens`'s top-p threshold [B, 1], computed as it does on the gathered
     logits (the fallback for nuclei wider than the candidates)."""
     scaled = gather(scaled_block, axis_name)  # [B, V]
     vocab = scaled.shape[-1]
@@ -165,7 +165,7 @@ def top_p_threshold_from_candidates(
     candidates: int = TOP_P_CANDIDATES,
     axis_name: str = AXIS,
 ) -> tuple[jax.Array, jax.Array]:
-    """The top-k (top_k_ > 0) then top-p threshold of `decode.sample_tokens` (keep logits >=
+    """The top-k (top_k_ > 0) then top-p threshold of `sampling.sample_tokens` (keep logits >=
     it) from the global `candidates` best logits and the softmax normalizer: (threshold
     [B, 1], settled [B] bool). A row is settled when the candidates decide it: its top-k lies
     within them, or without top-k every token is kept (top_p == 1) or the nucleus ends before
@@ -228,7 +228,7 @@ def sample(
     axis_name: str = AXIS,
 ) -> jax.Array:
     """One token per row of the sharded logits [B, V/T]; the arguments and the result as
-    `equarx_serve.decode.sample_tokens` (on the gathered logits) takes and gives them:
+    `equarx_serve.generation.sampling.sample_tokens` (on the gathered logits) takes and gives them:
     temperature [B] (0: greedy), top_k_ [B] int (0: off), top_p [B], seeds [B] uint32, steps
     [B] int32 (row b draws with fold_in(PRNGKey(seeds[b]), steps[b])), `mode` (static) the
     most any row needs, `max_k` >= every row's top-k in "top_k" mode. Returns [B] int32,

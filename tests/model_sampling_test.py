@@ -1,6 +1,6 @@
 """The model's vocab-parallel outputs on the tiny random-init model: its logits leave split over
 the vocabulary, and its sampler and sampling decode step (one program: decode, then sampling on
-the sharded logits) draw the tokens that `decode.sample_tokens` draws from the gathered logits;
+the sharded logits) draw the tokens that `sampling.sample_tokens` draws from the gathered logits;
 the blocked local attention of a decode step equals the masked full one (a cache longer than
 the window)."""
 
@@ -16,7 +16,7 @@ from conftest import AXIS, mesh_of
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx_serve.decode import sample_tokens
+from equarx_serve.generation.sampling import sample_tokens
 from models.config import get_config
 from models.gemma3 import SamplingInputs, TensorParallelGemma3, init_params
 

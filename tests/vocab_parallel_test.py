@@ -1,6 +1,6 @@
 """The vocab-parallel head (`models/vocab_parallel.py`) on logits sharded over TP = 2 and 4 fake
 devices, against the replicated computations on the gathered logits: greedy and seeded top-k /
-top-p sampling exactly as `decode.sample_tokens`, the eval's metrics as `eval.metrics`, the
+top-p sampling exactly as `sampling.sample_tokens`, the eval's metrics as `eval.metrics`, the
 embedding lookup and the logits; and what crosses devices (from the compiled HLO)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from conftest import mesh_of
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.bench.hlo_bytes import collective_wire_bytes
-from equarx_serve.decode import sample_tokens
+from equarx_serve.generation.sampling import sample_tokens
 from eval import metrics
 from models import vocab_parallel as vp
 
@@ -78,7 +78,7 @@ def _rows(temperature, top_k, top_p, seeds):
 
 def _assert_sampling_equal(tp, logits, rows, mode, max_k=0, steps=12, candidates=None):
     """For `steps` consecutive steps (new keys each), the sharded sample equals
-    `decode.sample_tokens` on the whole logits, row by row."""
+    `sampling.sample_tokens` on the whole logits, row by row."""
     options = {} if candidates is None else {"candidates": candidates}
     sharded = _sharded(
         functools.partial(vp.sample, mode=mode, max_k=max_k, **options), tp, P(None, AXIS), 5
@@ -157,7 +157,7 @@ def test_top_p_candidates_settle_peaked_rows_only(tp):
 
 
 def _reference_top_p_threshold(scaled, top_k_, top_p):
-    """`decode.sample_tokens`'s top-p threshold, written out in numpy (float64 sums)."""
+    """`sampling.sample_tokens`'s top-p threshold, written out in numpy (float64 sums)."""
     out = []
     for row, k, p in zip(scaled, top_k_, top_p, strict=True):
         ordered = np.sort(row)[::-1]
