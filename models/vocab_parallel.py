@@ -32,6 +32,8 @@ replicated, but JAX cannot prove it for some (all-gathered candidates): a `shard
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -58,7 +60,14 @@ def logits_block(
     x: jax.Array, table_block: jax.Array, *, softcap: float | None = None
 ) -> jax.Array:
     """x [..., D] (replicated) and this device's table rows [V/T, D] -> its logits [..., V/T],
-    computed as gemma computes the whole (in the operands' dtype, then soft-capped)."""
+    computed as gemma computes the whole (in the operands' dtype, then soft-capped).
+
+    A single row is computed as two (a zero row added, its logits dropped): XLA:CPU's
+    matrix-vector path for bf16 converts the whole table to f32 on every call (measured at
+    Gemma 3 270M's [V/2 = 131072, 640] per device: 448 ms for 1 row, 25 ms for 2)."""
+    if math.prod(x.shape[:-1]) == 1:
+        pair = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])  # [2, D]
+        return logits_block(pair, table_block, softcap=softcap)[:1].reshape(*x.shape[:-1], -1)
     logits = jnp.einsum("...D,VD->...V", x, table_block)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
