@@ -256,7 +256,7 @@ class PrefillEngine:
             )
             lowered = fn.lower(self.params, tokens, mask)
             self._programs[key] = CompiledPrefill(
-                *key, lowered.compile(), lowered.as_text(dialect="hlo")
+                *key, lowered.compile(), lowered.as_text(dialect="hlo", debug_info=True)
             )
         return self._programs[key]
 

@@ -271,6 +271,13 @@ def fold_rotation(params: Params, rotation: HadamardRotation) -> Params:
     return folded
 
 
+def layers_hlo(hlo_text: str) -> str:
+    """The lines of a compiled model program's HLO text that its layers made (op_name
+    `.../layer_i/...`): their collectives are the row-parallel all-reduces, without the
+    vocab-parallel head's own (the embedding lookup's psum, sampling's maxima and candidates)."""
+    return "\n".join(line for line in hlo_text.splitlines() if "/layer_" in line)
+
+
 # -- Masks and positions (as gemma builds them) -------------------------------------------------
 
 
@@ -752,6 +759,7 @@ class TensorParallelGemma3:
         }
         self._decode = self._build_decode()
         self._samplers: dict[tuple[str, int], Any] = {}  # (mode, max_k) -> program
+        self._gather = jax.jit(lambda logits: logits, out_shardings=NamedSharding(mesh, P()))
         self._decoders: dict[tuple[str, int], Any] = {}
 
     def param_shardings(self) -> Params:
@@ -829,6 +837,12 @@ class TensorParallelGemma3:
 
         # The cache is updated in place (donated): programs are reused for a fixed capacity.
         return jax.jit(decode, donate_argnums=1)
+
+    def gathered(self, logits: jax.Array) -> jax.Array:
+        """Logits split on V (as the programs give them) -> the same values replicated on every
+        device (one all-gather): for callers that read whole logits when the mesh spans
+        processes (a process reads its own devices' copy)."""
+        return self._gather(logits)
 
     def _sample_shard(self, mode: str, max_k: int):
         """This device's part of sampling: (logits [B, V / T], SamplingInputs) -> [B]."""

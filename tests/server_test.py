@@ -26,6 +26,7 @@ from equarx_serve.generation.runner import DeviceRunner
 from equarx_serve.generation.steps import DecodeStep, PrefillStep
 from equarx_serve.multiprocess import free_port
 from equarx_serve.server import create_app
+from models.gemma3 import layers_hlo
 
 MODEL = "tiny"
 MAX_LENGTH = 256
@@ -232,8 +233,7 @@ def _hlo_bytes(output) -> int:
     """Bytes each device sends in the layers' collectives (the row-parallel all-reduces) of
     the program a step ran (its HLO). The vocab-parallel head's own (the embedding lookup's
     psum, sampling's maxima and candidates) are not the all-reduce's traffic."""
-    layers = [line for line in output.program.hlo_text().splitlines() if "/layer_" in line]
-    return sum(collective_wire_bytes("\n".join(layers), 2).values())
+    return sum(collective_wire_bytes(layers_hlo(output.program.hlo_text()), 2).values())
 
 
 @pytest.mark.parametrize("all_reduce", ["equarx-int8", "equarx-int8:min_size_bytes=0"])
