@@ -5,6 +5,9 @@
     equarx-serve bench prefill [--model NAME] [--tp N | --processes N] [--batch B]
                                [--seq-lens ...] [--methods ...] [--repeats R]
                                [--checkpoint PATH --tokenizer PATH] [--json PATH] [--plot PATH]
+    equarx-serve bench compare [--seq-lens ...] [--batches ...] [--max-tokens N] [--repeats R]
+                               [--threads N] [--model NAME] [--tp N] [--all-reduce METHOD]
+                               [--dtype D] [--json PATH]
     equarx-serve demo [--out-dir DIR]
     equarx-serve generate --prompt TEXT [--prompt-file PATH] [--chat] [--model NAME] [--tp N]
                           [--all-reduce METHOD] [--max-tokens N] [--temperature T] [--top-k K]
@@ -21,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 
 from equarx_serve import demo, generate_command, serve_command
-from equarx_serve.bench import allreduce, prefill
+from equarx_serve.bench import allreduce, compare, prefill
 from eval import command as eval_command
 
 
@@ -37,8 +41,35 @@ def _bench_prefill(args: argparse.Namespace) -> int:
     return prefill.run(prefill.config_from_args(args))
 
 
+def _bench_compare(args: argparse.Namespace) -> int:
+    return compare.run(compare.config_from_args(args))
+
+
 def _demo(args: argparse.Namespace) -> int:
     return demo.run(args.out_dir)
+
+
+def _demo_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out-dir", type=Path, default=demo.DEMO_DIR, help="default: %(default)s")
+
+
+def _add_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    help: str,
+    module: ModuleType,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    handler: Callable[[argparse.Namespace], int],
+) -> None:
+    """A (sub)command described by `module`'s docstring, with its flags and handler."""
+    command = subparsers.add_parser(
+        name,
+        help=help,
+        description=module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_arguments(command)
+    command.set_defaults(handler=handler, command_parser=command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,62 +83,35 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks")
     benchmarks = bench.add_subparsers(title="benchmarks", metavar="BENCHMARK")
     bench.set_defaults(handler=None, command_parser=bench)
-    bench_allreduce = benchmarks.add_parser(
-        "allreduce",
-        help="all-reduce methods side by side: time, wire bytes, error",
-        description=allreduce.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    allreduce.add_arguments(bench_allreduce)
-    bench_allreduce.set_defaults(handler=_bench_allreduce, command_parser=bench_allreduce)
-    bench_prefill = benchmarks.add_parser(
-        "prefill",
-        help="tensor-parallel Gemma 3 prefill latency per all-reduce method",
-        description=prefill.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    prefill.add_arguments(bench_prefill)
-    bench_prefill.set_defaults(handler=_bench_prefill, command_parser=bench_prefill)
-
-    demo_parser = commands.add_parser(
-        "demo",
-        help="the main job: 270M at TP=2 served with psum and equarx-int8 side by side, a "
-        "short quality eval, the all-reduce benchmark",
-        description=demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo_parser.add_argument(
-        "--out-dir", type=Path, default=demo.DEMO_DIR, help="default: %(default)s"
-    )
-    demo_parser.set_defaults(handler=_demo, command_parser=demo_parser)
-
-    evaluate = commands.add_parser(
-        "eval",
-        help="quality of each all-reduce against BF16 psum (perplexity, KL, top-1, per-layer "
-        "error), with a regression gate",
-        description=eval_command.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    eval_command.add_arguments(evaluate)
-    evaluate.set_defaults(handler=eval_command.run, command_parser=evaluate)
-
-    generate = commands.add_parser(
-        "generate",
-        help="generate text (streamed) with the tensor-parallel model, with timings",
-        description=generate_command.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    generate_command.add_arguments(generate)
-    generate.set_defaults(handler=generate_command.run, command_parser=generate)
-
-    serve = commands.add_parser(
-        "serve",
-        help="OpenAI-compatible HTTP server (completions, chat, streaming, /metrics)",
-        description=serve_command.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    serve_command.add_arguments(serve)
-    serve.set_defaults(handler=serve_command.run, command_parser=serve)
+    _add_command(
+        benchmarks, "allreduce", "all-reduce methods side by side: time, wire bytes, error",
+        allreduce, allreduce.add_arguments, _bench_allreduce,
+    )  # fmt: skip
+    _add_command(
+        benchmarks, "prefill", "tensor-parallel Gemma 3 prefill latency per all-reduce method",
+        prefill, prefill.add_arguments, _bench_prefill,
+    )  # fmt: skip
+    _add_command(
+        benchmarks, "compare", "this project beside llama.cpp on the same GGUF: prefill and "
+        "decode, with this machine's limits", compare, compare.add_arguments, _bench_compare,
+    )  # fmt: skip
+    _add_command(
+        commands, "demo", "the main job: 270M at TP=2 served with psum and equarx-int8 side by "
+        "side, a short quality eval, the all-reduce benchmark", demo, _demo_arguments, _demo,
+    )  # fmt: skip
+    _add_command(
+        commands, "eval", "quality of each all-reduce against BF16 psum (perplexity, KL, top-1, "
+        "per-layer error), with a regression gate", eval_command, eval_command.add_arguments,
+        eval_command.run,
+    )  # fmt: skip
+    _add_command(
+        commands, "generate", "generate text (streamed) with the tensor-parallel model, with "
+        "timings", generate_command, generate_command.add_arguments, generate_command.run,
+    )  # fmt: skip
+    _add_command(
+        commands, "serve", "OpenAI-compatible HTTP server (completions, chat, streaming, "
+        "/metrics)", serve_command, serve_command.add_arguments, serve_command.run,
+    )  # fmt: skip
     return parser
 
 

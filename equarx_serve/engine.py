@@ -61,7 +61,9 @@ def length_buckets(max_length: int) -> tuple[int, ...]:
 @dataclasses.dataclass(frozen=True)
 class PrefillResult:
     """logits: [B, V] at each prompt's last token (last_only), else [B, bucket, V] (positions
-    from a prompt's length on are padding: meaningless). cache: {"layer_i": {"k", "v"}}, each
+    from a prompt's length on are padding: meaningless), split over "tp" on V as the model's
+    vocab-parallel head computes them (reading the array gathers them; the model's `sampler`
+    samples on the shards). cache: {"layer_i": {"k", "v"}}, each
     [B, bucket, K, H], sharded as the model produces it. lengths: [B] prompt lengths. bucket:
     the padded length. trace: with capture=True, every all-reduce's record (see
     `models.gemma3.Gemma3Output`), else None. A pytree: `jax.block_until_ready(result)` waits
@@ -254,7 +256,7 @@ class PrefillEngine:
             )
             lowered = fn.lower(self.params, tokens, mask)
             self._programs[key] = CompiledPrefill(
-                *key, lowered.compile(), lowered.as_text(dialect="hlo")
+                *key, lowered.compile(), lowered.as_text(dialect="hlo", debug_info=True)
             )
         return self._programs[key]
 

@@ -5,14 +5,24 @@ checkpoints load as they are, and the forward pass mirrors gemma's op by op (sam
 everything is computed in the parameter dtype, as gemma does).
 
 Tensor parallelism over a mesh axis "tp" of size T (`param_partition_specs`):
-  - embedding (tied input/output table), every norm scale: replicated;
+  - embedding (the tied input/output table [V, D]): split on V, vocab-parallel
+    (`models.vocab_parallel`): each device computes the logits of its V / T rows, which leave
+    the model as one array sharded over "tp" on V (reading it gathers them; the step engine
+    samples on the shards); a token's lookup is one psum of [B, L, D] (its row lives on one
+    device). No device holds or copies the whole table;
+  - every norm scale: replicated;
   - `q_einsum` / `qkv_einsum` [.., N, D, H] and `mlp/gating_einsum`: column-parallel, split on
     the query-head and hidden axes (N / T heads, F / T hidden units per device);
   - `kv_einsum` [2, K, D, H]: split on K when T divides K, replicated otherwise (then every
     device computes all K key/value heads and attends with the one its query heads use);
   - `attn_vec_einsum` [N, H, D] and `mlp/linear` [F, D]: row-parallel, each device computes a
     partial [B, L, D] sum that the pluggable all-reduce completes: the only two collectives of
-    a layer and of the whole forward pass.
+    a layer (the only others: the embedding's lookup psum).
+
+Local (sliding-window) layers attend with work proportional to the window
+(`models.attention`): a prefill of T >= 2 W tokens runs blocked (bands of key blocks), a decode
+step reads only the W cache entries ending at its position. Shorter prompts use the masked
+full attention (no less work at T < 2 W).
 
 Folded rotation: when the all-reduce rotates its input before quantizing (`equarx-int8`'s
 block Hadamard, `AllReduce.foldable_rotation`) and the rotation block divides D, the model
@@ -40,9 +50,11 @@ rotation they hold the rotated copies besides the checkpoint's.
 
 Padding follows gemma: `input_mask` (default `tokens != 0`) marks real tokens; positions count
 real tokens only, and attention is causal over real tokens (prompts may be padded on either
-side). Logits at padded positions are computed as gemma computes them (meaningless). One
-deliberate difference: `last_only` picks each prompt's last real token, where gemma picks index
-sum(input_mask) - 1 (the same for right-padded prompts, wrong for left-padded ones).
+side; each prompt's real tokens must be contiguous, which the blocked local attention relies
+on for prompts of 2 W tokens or more). Logits and cache entries at padded positions are
+unspecified (gemma's are meaningless too, and the blocked local attention computes others).
+One deliberate difference: `last_only` picks each prompt's last real token, where gemma picks
+index sum(input_mask) - 1 (the same for right-padded prompts, wrong for left-padded ones).
 """
 
 from __future__ import annotations
@@ -62,6 +74,8 @@ from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import AllReduce, get_all_reduce
 from equarx_serve.collectives.hadamard import HadamardRotation
+from models import vocab_parallel
+from models.attention import local_attention, local_decode_attention, masked_attention
 from models.config import AttentionType, Gemma3Config
 
 K_MASK = -2.3819763e38  # gemma's masked-logit value
@@ -89,6 +103,7 @@ class ShardLayout:
       num_kv_heads: Key/value heads each device computes: K / tp when sharded, else K.
       kv_sharded: Whether the key/value heads are split over devices (tp divides K).
       hidden_dim: MLP hidden units per device, F / tp.
+      vocab_size: Embedding rows (and logits) per device, V / tp.
     """
 
     tp: int
@@ -96,6 +111,7 @@ class ShardLayout:
     num_kv_heads: int
     kv_sharded: bool
     hidden_dim: int
+    vocab_size: int
 
     @classmethod
     def create(cls, config: Gemma3Config, tp: int) -> ShardLayout:
@@ -110,6 +126,10 @@ class ShardLayout:
             raise ValueError(
                 f"the tensor-parallel degree {tp} must divide hidden_dim ({config.hidden_dim})"
             )
+        if config.vocab_size % tp:
+            raise ValueError(
+                f"the tensor-parallel degree {tp} must divide vocab_size ({config.vocab_size})"
+            )
         kv_sharded = config.num_kv_heads % tp == 0
         if not kv_sharded and tp % config.num_kv_heads:
             raise ValueError(
@@ -123,6 +143,7 @@ class ShardLayout:
             num_kv_heads=config.num_kv_heads // tp if kv_sharded else config.num_kv_heads,
             kv_sharded=kv_sharded,
             hidden_dim=config.hidden_dim // tp,
+            vocab_size=config.vocab_size // tp,
         )
 
 
@@ -183,7 +204,7 @@ def _param_layout(
             node = functools.reduce(lambda tree, key: tree[key], parents, layer)
             node[name + ROTATED] = node[name]
     return {
-        "embedder": {"input_embedding": _Param((config.vocab_size, d), P(), d)},
+        "embedder": {"input_embedding": _Param((config.vocab_size, d), P(axis_name, None), d)},
         **{f"layer_{i}": layer for i in range(config.num_layers)},
         "final_norm": norm(d),
     }
@@ -248,6 +269,13 @@ def fold_rotation(params: Params, rotation: HadamardRotation) -> Params:
             node = functools.reduce(lambda tree, k: tree[k], parents, layer)
             node[name + ROTATED] = rotate(node[name])
     return folded
+
+
+def layers_hlo(hlo_text: str) -> str:
+    """The lines of a compiled model program's HLO text that its layers made (op_name
+    `.../layer_i/...`): their collectives are the row-parallel all-reduces, without the
+    vocab-parallel head's own (the embedding lookup's psum, sampling's maxima and candidates)."""
+    return "\n".join(line for line in hlo_text.splitlines() if "/layer_" in line)
 
 
 # -- Masks and positions (as gemma builds them) -------------------------------------------------
@@ -378,10 +406,12 @@ class RMSNorm(nn.Module):
 
 
 class Embedder(nn.Module):
-    """The tied embedding table [V, D], replicated on every device."""
+    """This device's rows of the tied embedding table, [V / T, D] (vocab-parallel)."""
 
-    vocab_size: int
+    vocab_size: int  # rows on this device
     embed_dim: int
+    axis_name: str
+    softcap: float | None
 
     def setup(self):
         self.input_embedding_table = self.param(
@@ -389,13 +419,12 @@ class Embedder(nn.Module):
         )
 
     def encode(self, tokens: jax.Array) -> jax.Array:
-        """[B, L] tokens -> [B, L, D], scaled by sqrt(D)."""
-        x = self.input_embedding_table[(tokens,)]
-        return x * jnp.sqrt(self.embed_dim).astype(x.dtype)
+        """[B, L] tokens -> [B, L, D] (replicated), scaled by sqrt(D)."""
+        return vocab_parallel.embed(tokens, self.input_embedding_table, self.axis_name)
 
     def decode(self, x: jax.Array) -> jax.Array:
-        """[..., D] -> [..., V] logits."""
-        return jnp.einsum("...D,VD->...V", x, self.input_embedding_table)
+        """[..., D] -> this device's logits [..., V / T], soft-capped when configured."""
+        return vocab_parallel.logits_block(x, self.input_embedding_table, softcap=self.softcap)
 
 
 class Attention(nn.Module):
@@ -430,20 +459,53 @@ class Attention(nn.Module):
         index = lax.axis_index(self.axis_name) // (self.layout.tp // self.config.num_kv_heads)
         return lax.dynamic_slice_in_dim(kv, index, 1, axis=2)
 
+    def _attend(
+        self,
+        query: jax.Array,
+        cache: LayerCache,
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        input_mask: jax.Array | None,
+        *,
+        local: bool,
+        decoding: bool,
+    ) -> jax.Array:
+        """query [B, T, N, H] over this device's keys/values (`cache`, [B, S, K, H]: the
+        prompt's own in a prefill, T == S) -> [B, T, N, H]. Local layers: blocked over the
+        window when the prompt is at least two windows long, over the window's cache entries
+        in a decode step; otherwise the masked full attention (gemma's)."""
+        c = self.config
+        window, softcap = c.sliding_window_size, c.attn_logits_softcap
+        key = self._kv_for_local_heads(cache["k"])  # [B, S, K, H]
+        value = self._kv_for_local_heads(cache["v"])
+        if local and decoding:
+            return local_decode_attention(
+                query, key, value, positions[:, 0], window=window, softcap=softcap
+            )
+        if local and query.shape[1] >= 2 * window:
+            return local_attention(
+                query, key, value, positions, input_mask, window=window, softcap=softcap
+            )
+        if local:
+            attn_mask = attn_mask * sliding_window_mask(positions, window)  # [B, T, T]
+        return masked_attention(query, key, value, attn_mask, softcap=softcap)
+
     def __call__(
         self,
         x: jax.Array,
         positions: jax.Array,
         attn_mask: jax.Array,
+        input_mask: jax.Array | None = None,
         cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
-        """Prefill: x [B, L, D], positions [B, L], attn_mask [B, L, L] -> (cache [B, L, K, H],
-        [B, L, D]). Decode (`cache` given, [B, S, K, H]): x [B, 1, D] is each sequence's new
-        token at positions [B, 1]; its k/v are written at that index of the cache (index ==
-        position: right-padded prompts) and it attends over attn_mask [B, 1, S] -> (the
-        updated cache, [B, 1, D])."""
+        """Prefill: x [B, L, D], positions [B, L], attn_mask [B, L, L] (causal over real
+        tokens), input_mask [B, L] -> (cache [B, L, K, H], [B, L, D]). Decode (`cache` given,
+        [B, S, K, H]): x [B, 1, D] is each sequence's new token at positions [B, 1]; its k/v
+        are written at that index of the cache (index == position: right-padded prompts) and
+        it attends over attn_mask [B, 1, S] -> (the updated cache, [B, 1, D])."""
         c = self.config
         local = self.attn_type == AttentionType.LOCAL_SLIDING
+        decoding = cache is not None
         rope = dict(
             base_frequency=c.local_base_frequency if local else c.global_base_frequency,
             scale_factor=c.local_scale_factor if local else c.global_scale_factor,
@@ -461,35 +523,17 @@ class Attention(nn.Module):
         query = apply_rope(query, positions, **rope) * c.query_scale
         key = apply_rope(key, positions, **rope)
         if cache is None:
-            cache, key_positions = {"k": key, "v": value}, positions
+            cache = {"k": key, "v": value}
         else:
             rows, index = jnp.arange(key.shape[0]), positions[:, 0]  # [B], [B]
             cache = {
                 "k": cache["k"].at[rows, index].set(key[:, 0]),  # [B, S, K, H]
                 "v": cache["v"].at[rows, index].set(value[:, 0]),  # [B, S, K, H]
             }
-            key_positions = jnp.arange(cache["k"].shape[1])[None, :]  # [1, S]
-
-        # Grouped attention: the N query heads as K groups of G = N / K heads.
-        attn_key = self._kv_for_local_heads(cache["k"])  # [B, S, K, H]
-        attn_value = self._kv_for_local_heads(cache["v"])  # [B, S, K, H]
-        b, t, n, h = query.shape
-        k = attn_key.shape[2]
-        grouped_query = query.reshape(b, t, k, n // k, h)  # [B, T, K, G, H]
-        logits = jnp.einsum("BTKGH,BSKH->BTKGS", grouped_query, attn_key)
-        logits = logits.reshape(b, t, n, -1)  # [B, T, N, S]
-
-        if c.attn_logits_softcap is not None:
-            logits = jnp.tanh(logits / c.attn_logits_softcap) * c.attn_logits_softcap
-        if local:
-            window = sliding_window_mask(positions, c.sliding_window_size, key_positions)
-            attn_mask = attn_mask * window  # [B, T, S]
-        logits = jnp.where(attn_mask[:, :, None, :], logits, K_MASK)  # [B, T, N, S]
-        probs = jax.nn.softmax(logits, axis=-1).astype(attn_key.dtype)
-
-        probs = probs.reshape(b, t, k, n // k, -1)  # [B, T, K, G, S]
-        encoded = jnp.einsum("BTKGS,BSKH->BTKGH", probs, attn_value)
-        encoded = encoded.reshape(b, t, n, h)  # [B, T, N, H]
+        encoded = self._attend(
+            query, cache, positions, attn_mask, input_mask, local=local, decoding=decoding
+        )
+        b, t = encoded.shape[:2]
 
         # Row-parallel: this device's heads' share of the output, summed over devices.
         rotated = self.reduction.rotated((b, t, c.embed_dim), x.dtype)
@@ -548,11 +592,13 @@ class Block(nn.Module):
         x: jax.Array,
         positions: jax.Array,
         attn_mask: jax.Array,
+        input_mask: jax.Array | None = None,
         cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
         """x [B, L, D] (replicated) -> (cache, [B, L, D] replicated); with `cache`, one decode
         step (see `Attention`)."""
-        cache, attn_output = self.attn(self.pre_attention_norm(x), positions, attn_mask, cache)
+        normed = self.pre_attention_norm(x)
+        cache, attn_output = self.attn(normed, positions, attn_mask, input_mask, cache)
         if self.post_attention_norm is not None:
             attn_output = self.post_attention_norm(attn_output)
         attn_output = attn_output + x
@@ -574,7 +620,9 @@ class Gemma3Shard(nn.Module):
 
     def setup(self):
         c = self.config
-        self.embedder = Embedder(c.vocab_size, c.embed_dim)
+        self.embedder = Embedder(
+            self.layout.vocab_size, c.embed_dim, self.axis_name, c.final_logit_softcap
+        )
         self.blocks = [
             Block(c, self.layout, attn_type, self.reduction, self.axis_name, name=f"layer_{i}")
             for i, attn_type in enumerate(c.attention_types)
@@ -584,44 +632,38 @@ class Gemma3Shard(nn.Module):
     def __call__(
         self, tokens: jax.Array, input_mask: jax.Array, *, last_only: bool = False
     ) -> tuple[jax.Array, dict[str, LayerCache]]:
-        """tokens, input_mask [B, L] -> (logits [B, L, V], or [B, V] at each sequence's last
-        real token when last_only; {"layer_i": {"k", "v"}}, local [B, L, K_local, H])."""
+        """tokens, input_mask [B, L] -> (this device's logits [B, L, V / T], or [B, V / T] at
+        each sequence's last real token when last_only; {"layer_i": {"k", "v"}}, local
+        [B, L, K_local, H])."""
         x = self.embedder.encode(tokens)  # [B, L, D]
         positions = positions_from_mask(input_mask)  # [B, L]
         attn_mask = causal_attention_mask(input_mask)  # [B, L, L]
         cache = {}
         for i, block in enumerate(self.blocks):
-            cache[f"layer_{i}"], x = block(x, positions, attn_mask)
+            cache[f"layer_{i}"], x = block(x, positions, attn_mask, input_mask)
         x = self.final_norm(x)
 
         if last_only:
             x = x[jnp.arange(x.shape[0]), last_token_index(input_mask)]  # [B, D]
-        return self._logits(x), cache
+        return self.embedder.decode(x), cache
 
     def decode(
         self, tokens: jax.Array, lengths: jax.Array, cache: dict[str, LayerCache]
     ) -> tuple[jax.Array, dict[str, LayerCache]]:
         """One decode step: tokens [B] (each sequence's newest token), lengths [B] (tokens
         already in its cache: the new token's position and cache index), cache
-        {"layer_i": {"k", "v"}} local [B, S, K_local, H] -> (logits [B, V], the cache with the
-        new k/v at index lengths). The token attends over cache positions <= its own."""
+        {"layer_i": {"k", "v"}} local [B, S, K_local, H] -> (this device's logits [B, V / T],
+        the cache with the new k/v at index lengths). The token attends over cache positions
+        <= its own."""
         x = self.embedder.encode(tokens[:, None])  # [B, 1, D]
         positions = lengths[:, None]  # [B, 1]
         key_positions = jnp.arange(cache["layer_0"]["k"].shape[1])  # [S]
         attn_mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, 1, S]
         new_cache = {}
         for i, block in enumerate(self.blocks):
-            new_cache[f"layer_{i}"], x = block(x, positions, attn_mask, cache[f"layer_{i}"])
+            new_cache[f"layer_{i}"], x = block(x, positions, attn_mask, cache=cache[f"layer_{i}"])
         x = self.final_norm(x)[:, 0]  # [B, D]
-        return self._logits(x), new_cache
-
-    def _logits(self, x: jax.Array) -> jax.Array:
-        """[..., D] -> [..., V], soft-capped when the config says so."""
-        logits = self.embedder.decode(x)
-        if self.config.final_logit_softcap is not None:
-            cap = self.config.final_logit_softcap
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
+        return self.embedder.decode(x), new_cache
 
 
 # -- The tensor-parallel forward pass -----------------------------------------------------------
@@ -629,7 +671,9 @@ class Gemma3Shard(nn.Module):
 
 @flax.struct.dataclass
 class Gemma3Output:
-    """logits: [B, L, V], or [B, V] with last_only (replicated).
+    """logits: [B, L, V], or [B, V] with last_only: one array split over "tp" on V (each
+    device computed its V / T; reading the array, or using it outside the mesh's programs,
+    gathers them).
     cache: {"layer_i": {"k", "v"}}, each [B, L, K, H] after QK-norm/RoPE (k) in the parameter
     dtype, split over "tp" on K when the KV heads are sharded, else replicated.
     trace: with capture=True, every row-parallel all-reduce's record (`reduce_and_trace`),
@@ -639,6 +683,32 @@ class Gemma3Output:
     logits: jax.Array
     cache: dict[str, LayerCache]
     trace: dict[str, Any] | None = None
+
+
+@flax.struct.dataclass
+class SamplingInputs:
+    """How each row draws its token, [B] arrays (replicated), as `vocab_parallel.sample`
+    takes them: temperature (0: greedy), top_k (0: off), top_p, seeds (uint32), steps (row b
+    draws with fold_in(PRNGKey(seeds[b]), steps[b]))."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seeds: jax.Array
+    steps: jax.Array
+
+    def arrays(self) -> tuple[jax.Array, ...]:
+        """(temperature, top_k, top_p, seeds, steps), in `sample_tokens`'s argument order."""
+        return self.temperature, self.top_k, self.top_p, self.seeds, self.steps
+
+
+@flax.struct.dataclass
+class SampledStep:
+    """tokens: [B] int32, each row's sampled next token (replicated). cache: as in
+    `Gemma3Output`, with the step's k/v written."""
+
+    tokens: jax.Array
+    cache: dict[str, LayerCache]
 
 
 class TensorParallelGemma3:
@@ -688,6 +758,9 @@ class TensorParallelGemma3:
             for capture in (False, True)
         }
         self._decode = self._build_decode()
+        self._samplers: dict[tuple[str, int], Any] = {}  # (mode, max_k) -> program
+        self._gather = jax.jit(lambda logits: logits, out_shardings=NamedSharding(mesh, P()))
+        self._decoders: dict[tuple[str, int], Any] = {}
 
     def param_shardings(self) -> Params:
         """A NamedSharding for every parameter the model runs on (`param_specs`)."""
@@ -709,6 +782,10 @@ class TensorParallelGemma3:
             return params
         return fold_rotation(params, self.rotation)
 
+    def _logits_spec(self, ndim: int) -> P:
+        """Logits [..., V] of `ndim` axes leave the programs split over "tp" on V."""
+        return P(*([None] * (ndim - 1)), self.axis_name)
+
     def _build(self, last_only: bool, capture: bool):
 
         def shard_forward(params, tokens, input_mask):
@@ -729,7 +806,7 @@ class TensorParallelGemma3:
             shard_forward,
             mesh=self.mesh,
             in_specs=(self.param_specs, P(), P()),
-            out_specs=(P(), self._cache_specs, P()),
+            out_specs=(self._logits_spec(2 if last_only else 3), self._cache_specs, P()),
             check_vma=False,
         )
 
@@ -750,7 +827,7 @@ class TensorParallelGemma3:
             shard_decode,
             mesh=self.mesh,
             in_specs=(self.param_specs, self._cache_specs, P(), P()),
-            out_specs=(P(), self._cache_specs),
+            out_specs=(self._logits_spec(2), self._cache_specs),
             check_vma=False,  # as in `_build`
         )
 
@@ -760,6 +837,66 @@ class TensorParallelGemma3:
 
         # The cache is updated in place (donated): programs are reused for a fixed capacity.
         return jax.jit(decode, donate_argnums=1)
+
+    def gathered(self, logits: jax.Array) -> jax.Array:
+        """Logits split on V (as the programs give them) -> the same values replicated on every
+        device (one all-gather): for callers that read whole logits when the mesh spans
+        processes (a process reads its own devices' copy)."""
+        return self._gather(logits)
+
+    def _sample_shard(self, mode: str, max_k: int):
+        """This device's part of sampling: (logits [B, V / T], SamplingInputs) -> [B]."""
+
+        def sample(logits, sampling):
+            return vocab_parallel.sample(
+                logits, *sampling.arrays(), mode=mode, max_k=max_k, axis_name=self.axis_name
+            )
+
+        return sample
+
+    def sampler(self, mode: str, max_k: int = 0):
+        """The compiled (logits [B, V] split on V, SamplingInputs) -> tokens [B] int32
+        (replicated) for static `mode` and `max_k` (see `vocab_parallel.sample`): only maxima,
+        sums and candidates cross devices, never the logits."""
+        key = (mode, max_k)
+        if key not in self._samplers:
+            sharded = jax.shard_map(
+                self._sample_shard(mode, max_k),
+                mesh=self.mesh,
+                in_specs=(self._logits_spec(2), P()),
+                out_specs=P(),
+                check_vma=False,  # all-gathered candidates (see `vocab_parallel`)
+            )
+            self._samplers[key] = jax.jit(sharded)
+        return self._samplers[key]
+
+    def sampling_decoder(self, mode: str, max_k: int = 0):
+        """The compiled decode step that samples too (one program, the logits never leave
+        it): (params, cache, tokens, lengths, SamplingInputs) -> `SampledStep`; the cache is
+        DONATED (see `decode`)."""
+        key = (mode, max_k)
+        if key not in self._decoders:
+            sample = self._sample_shard(mode, max_k)
+
+            def shard_step(params, cache, tokens, lengths, sampling):
+                logits, cache = self._module.apply(
+                    {"params": params}, tokens, lengths, cache, method=Gemma3Shard.decode
+                )
+                return sample(logits, sampling), cache
+
+            sharded = jax.shard_map(
+                shard_step,
+                mesh=self.mesh,
+                in_specs=(self.param_specs, self._cache_specs, P(), P(), P()),
+                out_specs=(P(), self._cache_specs),
+                check_vma=False,  # as in `_build`
+            )
+
+            def step(params, cache, tokens, lengths, sampling):
+                return SampledStep(*sharded(params, cache, tokens, lengths, sampling))
+
+            self._decoders[key] = jax.jit(step, donate_argnums=1)
+        return self._decoders[key]
 
     def decode(
         self, params: Params, cache: dict[str, LayerCache], tokens: jax.Array, lengths: jax.Array

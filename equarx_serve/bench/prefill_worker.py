@@ -51,6 +51,7 @@ from equarx_serve.bench.allreduce_worker import (
 from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS, collective_wire_bytes
 from equarx_serve.collectives import AllReduce, get_all_reduce
 from equarx_serve.engine import PrefillEngine
+from models.gemma3 import layers_hlo
 
 __all__ = ["RESULT_MARKER", "NoReduce", "command", "measure", "parse_result"]
 
@@ -132,10 +133,11 @@ def measure(
         program = engine.compile(bucket, batch, last_only=True)
         compile_s = time.perf_counter() - start
         programs[label] = program.compiled
-        hlo = program.hlo_text()
+        hlo = layers_hlo(program.hlo_text())  # the all-reduces, not the vocab-parallel head's
         hlo_bytes = collective_wire_bytes(hlo, tp)
         ar = engine.all_reduce
-        logits = np.asarray(program.compiled(engine.params, tokens, mask).logits, np.float32)
+        split = program.compiled(engine.params, tokens, mask).logits
+        logits = np.asarray(engine.model.gathered(split).addressable_data(0), np.float32)
         if reference is None:
             reference = logits  # the first method (psum by default)
         err = logits - reference
@@ -153,7 +155,9 @@ def measure(
             * ar.wire_bytes(num_elements, base.dtype, tp),
             # From the HLO before optimization: XLA:CPU widens 16-bit all-reduces to f32 (the
             # optimized HLO), TPU and GPU reduce bf16 as bf16.
-            "wire_bytes_projection": sum(collective_wire_bytes(program.lowered_hlo, tp).values()),
+            "wire_bytes_projection": sum(
+                collective_wire_bytes(layers_hlo(program.lowered_hlo), tp).values()
+            ),
             "logits_rel_rms_vs_first": float(np.linalg.norm(err) / np.linalg.norm(reference)),
             "logits_max_abs_vs_first": float(np.abs(err).max()),
             "top1_agree_vs_first": float((logits.argmax(-1) == reference.argmax(-1)).mean()),

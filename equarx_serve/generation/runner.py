@@ -9,8 +9,11 @@ shards of its own devices) and results are read from a local replica, so nothing
 that every device is addressable.
 
 Programs are compiled ahead of time and cached: prefill per (bucket, rows) by the engine
-(`PrefillEngine.compile`), decode per (rows, capacity) here (`decode_program`); a step's
-output names the program it ran, so its HLO (what it really sends) can be read.
+(`PrefillEngine.compile`), decode per (rows, capacity, sampling mode, top-k width) here
+(`decode_program`: the model's decode step with the sampling inside, one program and one
+host read a step); a step's output names the program it ran, so its HLO (what it really
+sends) can be read. Sampling runs on the vocab-parallel logits: the whole [B, V] never
+crosses devices.
 """
 
 from __future__ import annotations
@@ -26,7 +29,11 @@ from jax.sharding import PartitionSpec as P
 
 from equarx_serve.engine import CompiledPrefill, PrefillEngine
 from equarx_serve.generation.kv_cache import DeviceKVCache
-from equarx_serve.generation.sampling import sample
+from equarx_serve.generation.sampling import (
+    SamplingBatch,
+    sampling_input_shapes,
+    sampling_inputs,
+)
 from equarx_serve.generation.steps import DecodeStep, PrefillStep, ReleaseStep, Step, StopStep
 
 __all__ = [
@@ -50,10 +57,13 @@ class CacheLost(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledDecode:
-    """One ahead-of-time compiled decode step for a cache of `rows` x `capacity`."""
+    """One ahead-of-time compiled decode step (sampling included) for a cache of `rows` x
+    `capacity`, sampling in `mode` with top-k width `max_k` (see `SamplingBatch`)."""
 
     rows: int
     capacity: int
+    mode: str
+    max_k: int
     compiled: jax.stages.Compiled
 
     def hlo_text(self) -> str:
@@ -108,9 +118,11 @@ class DeviceRunner:
         """A host array replicated on the mesh (every process passes the same value)."""
         return jax.make_array_from_callback(value.shape, self._replicated, lambda i: value[i])
 
-    def decode_program(self, rows: int, capacity: int) -> CompiledDecode:
-        """The compiled decode step for a cache of rows x capacity (cached)."""
-        key = (rows, capacity)
+    def decode_program(
+        self, rows: int, capacity: int, mode: str = "greedy", max_k: int = 0
+    ) -> CompiledDecode:
+        """The compiled decode step for a cache of rows x capacity, sampling in `mode` (cached)."""
+        key = (rows, capacity, mode, max_k)
         if key not in self._decode_programs:
             engine = self.engine
             config = engine.config
@@ -121,9 +133,10 @@ class DeviceRunner:
             )
             cache = {f"layer_{i}": {"k": kv, "v": kv} for i in range(config.num_layers)}
             ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
-            step = jax.jit(engine.model.decode, donate_argnums=1)
-            compiled = step.lower(engine.params, cache, ids, ids).compile()
-            self._decode_programs[key] = CompiledDecode(rows, capacity, compiled)
+            sampling = sampling_input_shapes(rows, self._replicated)
+            step = engine.model.sampling_decoder(mode, max_k)
+            compiled = step.lower(engine.params, cache, ids, ids, sampling).compile()
+            self._decode_programs[key] = CompiledDecode(*key, compiled)
         return self._decode_programs[key]
 
     def _prefill(self, step: PrefillStep) -> StepOutput:
@@ -132,20 +145,28 @@ class DeviceRunner:
         result = self.engine.prefill([list(p) for p in step.prompts])
         jax.block_until_ready(result)
         device_ms = (time.perf_counter() - started) * 1e3
-        tokens = local_value(sample(result.logits, step.sampling, self.place))
+        tokens = local_value(self._sample(result.logits, step.sampling))
         self.cache.insert(result.cache, self.place(np.asarray(step.slots, np.int32)))
         program = self.engine.compile(result.bucket, len(step.prompts))
         return StepOutput(tokens, device_ms, program)
 
+    def _sample(self, logits: jax.Array, sampling: SamplingBatch) -> jax.Array:
+        sampler = self.engine.model.sampler(sampling.mode, sampling.max_k)
+        return sampler(logits, sampling_inputs(sampling, self.place))
+
     def _decode(self, step: DecodeStep) -> StepOutput:
-        program = self.decode_program(len(step.tokens), self.cache.capacity)
+        sampling = step.sampling
+        program = self.decode_program(
+            len(step.tokens), self.cache.capacity, sampling.mode, sampling.max_k
+        )
         started = time.perf_counter()
         out = program.compiled(
             self.engine.params,
             self.cache.take(),
             self.place(np.asarray(step.tokens, np.int32)),
             self.place(np.asarray(step.lengths, np.int32)),
+            sampling_inputs(sampling, self.place),
         )
         self.cache.put(out.cache)
-        tokens = local_value(sample(out.logits, step.sampling, self.place))
+        tokens = local_value(out.tokens)
         return StepOutput(tokens, (time.perf_counter() - started) * 1e3, program)

@@ -1,7 +1,12 @@
 """One request's sampling settings, and the sampler that draws one token per row on device.
 
     batch = SamplingBatch.for_rows([(params, step), None, ...], vocab_size)  # None: idle row
-    tokens = sample(logits, batch, place)  # logits [B, V] -> [B] int32, on device
+    inputs = sampling_inputs(batch, place)  # its [B] arrays, on device
+    tokens = model.sampler(batch.mode, batch.max_k)(logits, inputs)  # [B] int32, on device
+
+The model samples on its vocab-parallel logits (`models.vocab_parallel.sample`, alone or inside
+its decode step); `sample_tokens` is the same draw on whole logits [B, V], the reference it
+is tested against.
 
 A row draws with the key fold_in(PRNGKey(seed), step): a request's tokens depend on its seed
 and its own step, not on the batch around it. Greedy rows (temperature 0) take the argmax.
@@ -24,7 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["MIN_TEMPERATURE", "SamplingBatch", "SamplingParams", "sample", "sample_tokens"]
+from models.gemma3 import SamplingInputs
+
+__all__ = [
+    "MIN_TEMPERATURE",
+    "SamplingBatch",
+    "SamplingParams",
+    "sample_tokens",
+    "sampling_inputs",
+]
 
 # Temperatures below this are clamped (0 itself means greedy and never divides).
 MIN_TEMPERATURE = 1e-5
@@ -141,19 +154,30 @@ def _mode(
     return "top_k", min(1 << (max(ks) - 1).bit_length(), vocab_size)
 
 
-def sample(
-    logits: jax.Array, batch: SamplingBatch, place: Callable[[np.ndarray], jax.Array]
-) -> jax.Array:
-    """One token per row of logits [B, V] (on device, [B] int32). `place` puts a host array
-    on the logits' mesh (replicated)."""
-    arrays = (
-        np.asarray(batch.temperature, np.float32),
-        np.asarray(batch.top_k, np.int32),
-        np.asarray(batch.top_p, np.float32),
-        np.asarray(batch.seeds, np.uint32),
-        np.asarray(batch.steps, np.int32),
+def sampling_inputs(
+    batch: SamplingBatch, place: Callable[[np.ndarray], jax.Array]
+) -> SamplingInputs:
+    """The batch's per-row values as the model's samplers take them; `place` puts a host
+    array on the mesh (replicated)."""
+    return SamplingInputs(
+        temperature=place(np.asarray(batch.temperature, np.float32)),
+        top_k=place(np.asarray(batch.top_k, np.int32)),
+        top_p=place(np.asarray(batch.top_p, np.float32)),
+        seeds=place(np.asarray(batch.seeds, np.uint32)),
+        steps=place(np.asarray(batch.steps, np.int32)),
     )
-    return sample_tokens(logits, *map(place, arrays), mode=batch.mode, max_k=batch.max_k)
+
+
+def sampling_input_shapes(rows: int, sharding: jax.sharding.Sharding) -> SamplingInputs:
+    """`sampling_inputs`'s shapes and dtypes for `rows` rows (to compile ahead of time)."""
+    spec = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype, sharding=sharding)
+    return SamplingInputs(
+        temperature=spec(jnp.float32),
+        top_k=spec(jnp.int32),
+        top_p=spec(jnp.float32),
+        seeds=spec(jnp.uint32),
+        steps=spec(jnp.int32),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("mode", "max_k"))
