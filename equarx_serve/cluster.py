@@ -353,8 +353,9 @@ def _remove(leftovers: Leftovers) -> None:
 
 class _Interruptions:
     """While a cluster is up, SIGTERM and SIGHUP raise SystemExit (Ctrl-C already raises
-    KeyboardInterrupt), so that the teardown runs; during the teardown, all three are held and
-    re-raised after it. Python handles signals in the main thread only: elsewhere, no-op."""
+    KeyboardInterrupt), so that the teardown runs, unless they were ignored; during the
+    teardown, all three are held and re-raised after it. Python handles signals in the main
+    thread only: elsewhere, this does nothing."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -371,8 +372,8 @@ class _Interruptions:
         self._held = self._held or signum
 
     def raise_on_termination(self) -> None:
-        if self._active:
-            for s in (signal.SIGTERM, signal.SIGHUP):
+        for s in (signal.SIGTERM, signal.SIGHUP):
+            if self._active and self._previous[s] is not signal.SIG_IGN:  # e.g. under nohup
                 signal.signal(s, self._exit)
 
     def hold(self) -> None:

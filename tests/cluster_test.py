@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from cluster_helpers import needs_root
 
-from equarx_serve import cluster, multiprocess
+from equarx_serve import cluster, link_probe, multiprocess
 from equarx_serve.cluster import Cluster, ClusterError, Link
 
 GLOO_WORKER = Path(__file__).with_name("_gloo_worker.py")
@@ -58,6 +58,21 @@ def _in_host(c: Cluster, host: int, code: str, **kwargs) -> subprocess.Popen:
     argv = c.command(host, [sys.executable, "-c", code])
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     return subprocess.Popen(argv, text=True, **pipes, **kwargs)
+
+
+def test_link_probe_counts_the_payload_after_the_warm_up():
+    """The probe's two ends over loopback (no root needed): it measures what it received."""
+    port = multiprocess.free_port()
+    receiver = subprocess.Popen(
+        [sys.executable, "-m", "equarx_serve.link_probe", "receive", "--port", str(port),
+         "--seconds", "0.5"], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert receiver.stdout.readline().strip() == link_probe.READY_LINE
+    link_probe.send("127.0.0.1", port, 0.5)
+    out, _ = receiver.communicate(timeout=60)
+    result = json.loads(out)
+    assert result["bytes"] > 0 and result["seconds"] > 0
+    assert result["bits_per_s"] == pytest.approx(8 * result["bytes"] / result["seconds"])
 
 
 @pytest.mark.parametrize(
