@@ -83,8 +83,8 @@ def serve_side_by_side(out: dict[str, Any]) -> None:
         completions = generator.generate(short, params) + generator.generate(long, params)
         runs[label] = {
             "warm_up_s": warm_s,
-            "usage_short": generator.all_reduce_usage(len(short), max(map(len, short))),
-            "usage_long": generator.all_reduce_usage(1, len(long[0])),
+            "usage_short": generator.all_reduce_usage(len(short), max(map(len, short))).as_dict(),
+            "usage_long": generator.all_reduce_usage(1, len(long[0])).as_dict(),
             "completions": [
                 {
                     "text": c.text,

@@ -22,11 +22,18 @@ def add_model_arguments(
     group: argparse._ActionsContainer, *, all_reduce: bool = True, dtype: bool = True
 ) -> None:
     """--model, --tp, --checkpoint/--tokenizer, and unless turned off --all-reduce, --dtype."""
-    group.add_argument("--model", default=DEFAULT_MODEL, help="config name (default: %(default)s"
-                       ", real weights; other names are random-init)")  # fmt: skip
-    group.add_argument("--tp", type=argument_type(int_at_least(1)), default=DEFAULT_TP,
-                       metavar="N", help="tensor-parallel degree: N host CPU devices "
-                       "(default: %(default)s)")  # fmt: skip
+    group.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="config name (default: %(default)s, real weights; other names are random-init)",
+    )
+    group.add_argument(
+        "--tp",
+        type=argument_type(int_at_least(1)),
+        default=DEFAULT_TP,
+        metavar="N",
+        help="tensor-parallel degree: N host CPU devices (default: %(default)s)",
+    )
     if all_reduce:
         group.add_argument(
             "--all-reduce",
@@ -38,8 +45,12 @@ def add_model_arguments(
     group.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     group.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
     if dtype:
-        group.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                           help="parameter dtype (default: %(default)s)")  # fmt: skip
+        group.add_argument(
+            "--dtype",
+            choices=DTYPES,
+            default="bfloat16",
+            help="parameter dtype (default: %(default)s)",
+        )
 
 
 def check_model_arguments(args: argparse.Namespace) -> None:
@@ -61,9 +72,13 @@ def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
     resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
     try:
         return PrefillEngine.from_name(
-            args.model, args.tp, get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
-            checkpoint=args.checkpoint, tokenizer=args.tokenizer, max_length=max_length,
+            args.model,
+            args.tp,
+            get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
+            checkpoint=args.checkpoint,
+            tokenizer=args.tokenizer,
+            max_length=max_length,
             dtype=jnp.dtype(args.dtype),
-        )  # fmt: skip
+        )
     except ValueError as e:
         raise UsageError(str(e)) from None

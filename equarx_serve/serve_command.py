@@ -1,14 +1,22 @@
-"""`equarx-serve serve`: the OpenAI-compatible HTTP server (`server.py`) under uvicorn.
+"""`equarx-serve serve`: the OpenAI-compatible HTTP server (`equarx_serve/server/`) under uvicorn.
 
     equarx-serve serve [--host 127.0.0.1] [--port 8000] [--model gemma3-270m] [--tp 2]
                        [--all-reduce equarx-int8] [--max-batch 8] [--max-queue 64]
                        [--max-prompt-tokens N] [--dtype bfloat16|float32]
                        [--checkpoint PATH --tokenizer PATH]
+                       [--processes N | --coordinator HOST:PORT --num-processes N
+                        --process-id I [--control-port PORT]]
 
 It loads the model, shards it over TP host devices (XLA_FLAGS
---xla_force_host_platform_device_count=TP, set before JAX is imported), compiles a first program
-with a short warm-up generation, then listens. SIGTERM or Ctrl-C: new requests get 503, queued
-and running ones finish, the worker stops, the process exits 0.
+--xla_force_host_platform_device_count, set before JAX is imported), compiles the first
+programs with a short warm-up generation, then listens. SIGTERM or Ctrl-C: new requests get
+503, queued and running ones finish, the worker stops, the process exits 0.
+
+Across processes (`equarx_serve/processes.py`): `--processes N` runs N local processes joined
+by gloo, TP / N devices each; on several hosts, the same command on each with its own
+`--process-id`. Process 0 serves HTTP and decides each step, the others run the same steps
+(the mesh spans them). If another process exits or hangs, process 0 answers every request
+with 503 and exits with code 3 within seconds (`generation/replicated.py`).
 
 This module imports neither JAX nor FastAPI until the command runs, so `--help` is fast.
 """
@@ -18,9 +26,11 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import threading
+from typing import Any
 
+from equarx_serve import processes
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
-from equarx_serve.devices import set_host_device_count
 from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
 
 DEFAULT_MAX_BATCH = 8
@@ -29,6 +39,8 @@ DEFAULT_MAX_QUEUE = 64
 # compile and run slowly, so the server's default is shorter (raise it with --max-length).
 DEFAULT_MAX_LENGTH = 2048
 DEFAULT_GRACEFUL_TIMEOUT_S = 120.0
+# After the engine failed (a lost process): time for the 503s to reach their clients.
+FAILURE_EXIT_GRACE_S = 1.0
 
 logger = logging.getLogger("equarx_serve.server")
 
@@ -36,30 +48,64 @@ logger = logging.getLogger("equarx_serve.server")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `serve`."""
     parser.add_argument("--host", default="127.0.0.1", help="default: %(default)s")
-    parser.add_argument("--port", type=argument_type(int_at_least(0)), default=8000,
-                        help="default: %(default)s (0: any free port)")  # fmt: skip
+    parser.add_argument(
+        "--port",
+        type=argument_type(int_at_least(0)),
+        default=8000,
+        help="default: %(default)s (0: any free port)",
+    )
     add_model_arguments(parser)
-    parser.add_argument("--served-model-name", metavar="NAME",
-                        help="the id in /v1/models and requests (default: --model)")  # fmt: skip
-    parser.add_argument("--max-batch", type=argument_type(int_at_least(1)),
-                        default=DEFAULT_MAX_BATCH, metavar="B",
-                        help="requests per device step (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--max-queue", type=argument_type(int_at_least(1)),
-                        default=DEFAULT_MAX_QUEUE, metavar="Q",
-                        help="waiting requests before 503 (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--max-prompt-tokens", type=argument_type(int_at_least(1)), metavar="N",
-                        help="longest prompt accepted (default: the context length)")  # fmt: skip
-    parser.add_argument("--max-length", type=argument_type(int_at_least(16)),
-                        default=DEFAULT_MAX_LENGTH, metavar="N",
-                        help="prompt + completion tokens of a request (default: 2048)")  # fmt: skip
-    parser.add_argument("--batch-window-ms", type=float, default=5.0, metavar="MS",
-                        help="how long an idle worker waits to batch more requests "
-                        "(default: %(default)s)")  # fmt: skip
-    parser.add_argument("--graceful-timeout", type=float, default=DEFAULT_GRACEFUL_TIMEOUT_S,
-                        metavar="S", help="on SIGTERM, how long running requests may take to "
-                        "finish before they are cancelled (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--log-level", default="info",
-                        choices=["debug", "info", "warning", "error"])  # fmt: skip
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        help="the id in /v1/models and requests (default: --model)",
+    )
+    parser.add_argument(
+        "--max-batch",
+        type=argument_type(int_at_least(1)),
+        default=DEFAULT_MAX_BATCH,
+        metavar="B",
+        help="requests per device step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-queue",
+        type=argument_type(int_at_least(1)),
+        default=DEFAULT_MAX_QUEUE,
+        metavar="Q",
+        help="waiting requests before 503 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=argument_type(int_at_least(1)),
+        metavar="N",
+        help="longest prompt accepted (default: the context length)",
+    )
+    parser.add_argument(
+        "--max-length",
+        type=argument_type(int_at_least(16)),
+        default=DEFAULT_MAX_LENGTH,
+        metavar="N",
+        help="prompt + completion tokens of a request (default: 2048)",
+    )
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="how long an idle worker waits to batch more requests (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--graceful-timeout",
+        type=float,
+        default=DEFAULT_GRACEFUL_TIMEOUT_S,
+        metavar="S",
+        help="on SIGTERM, how long running requests may take to "
+        "finish before they are cancelled (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    processes.add_process_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,19 +113,47 @@ def run(args: argparse.Namespace) -> int:
     check_model_arguments(args)
     if args.batch_window_ms < 0 or args.graceful_timeout < 0:
         raise UsageError("--batch-window-ms and --graceful-timeout must be >= 0")
+    cluster = processes.cluster_from_args(args)
+    if cluster.launch:
+        return processes.launch_local("serve", cluster.launch)
+    where = f"p{cluster.process_id} " if cluster.member else ""
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=args.log_level.upper(),
+        format=f"%(asctime)s {where}%(levelname)s %(name)s: %(message)s",
     )
     if args.log_level != "debug":
         logging.getLogger("jax").setLevel(logging.WARNING)  # backend probing at import
-    set_host_device_count(args.tp)  # XLA_FLAGS, before JAX is imported
+    processes.set_up_devices(cluster, args.tp)  # XLA_FLAGS first, then JAX
+    engine = engine_from_args(args, max_length=args.max_length)
+    if not cluster.leader:
+        return processes.run_follower(cluster, engine)
+    return _serve(args, engine, processes.start_leader(cluster))
+
+
+def _serve(args: argparse.Namespace, engine: Any, leader: Any) -> int:
+    """Process 0: the HTTP server; with a leader, over the processes it drives."""
     import uvicorn
 
     from equarx_serve.decode import Generator
+    from equarx_serve.generation.replicated import EXIT_CLUSTER_FAILED, ReplicatedRunner
+    from equarx_serve.generation.runner import DeviceRunner
     from equarx_serve.server import create_app, drain_on_exit
 
-    engine = engine_from_args(args, max_length=args.max_length)
-    generator = Generator(engine, max_batch=args.max_batch)
+    runner = DeviceRunner(engine)
+    generator = Generator(
+        engine,
+        max_batch=args.max_batch,
+        runner=runner if leader is None else ReplicatedRunner(runner, leader),
+    )
+
+    def exit_after_failure(reason: str) -> None:
+        """Every request was answered 503; leave before anything waits on the lost process."""
+        timer = threading.Timer(
+            FAILURE_EXIT_GRACE_S, _exit_failed, args=(reason, EXIT_CLUSTER_FAILED)
+        )
+        timer.daemon = True
+        timer.start()
+
     app = create_app(
         generator,
         model_name=args.served_model_name or args.model,
@@ -88,16 +162,34 @@ def run(args: argparse.Namespace) -> int:
         max_batch=args.max_batch,
         batch_window_s=args.batch_window_ms / 1e3,
         warmup=True,
+        on_failure=exit_after_failure,
     )
+    if leader is not None:
+        leader.on_failure = app.state.worker.fail  # a lost follower fails every request
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level,
-        timeout_graceful_shutdown=args.graceful_timeout, lifespan="on",
-    )  # fmt: skip
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_timeout,
+        lifespan="on",
+    )
     server = uvicorn.Server(config)
     drain_on_exit(server, app)
     # uvicorn re-raises the signal it shut down on once it has finished, under the handlers
     # that were installed before it ran: make those no-ops so a drained shutdown exits 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if leader is not None:
+            leader.stop()
     return 0 if server.started else 1
+
+
+def _exit_failed(reason: str, code: int) -> None:
+    from equarx_serve.generation.replicated import exit_now
+
+    logger.error("exiting with code %d: %s", code, reason)
+    exit_now(code)

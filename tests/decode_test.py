@@ -19,9 +19,9 @@ from equarx_serve.decode import (
     SamplingParams,
     byte_tokenizer,
     chat_prompt,
-    sample_tokens,
 )
 from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.sampling import sample_tokens
 from models.config import AttentionType, get_config
 from models.gemma3 import init_params
 
@@ -130,46 +130,6 @@ def test_requests_finish_independently_and_queue_beyond_max_batch():
         assert c.finish_reason == alone.finish_reason
         if c.finish_reason == "length":
             assert len(c.tokens) == p.max_tokens
-
-
-def test_requests_joining_through_more_match_generating_alone():
-    """Requests handed in through `more` while others decode (on 2 slots; one needs a larger
-    cache bucket) give the greedy tokens each gives alone; a bad one finishes as "error"."""
-    gen = _generator(max_batch=2)
-    prompts = _prompts((5, 9, 21, 4), seed=9)
-    params = [SamplingParams(max_tokens=n) for n in (10, 3, 30, 4)]  # 21 + 30: bucket 64
-    bad = ([2, CONFIG.vocab_size], SamplingParams(max_tokens=2))
-    later = [(prompts[1], params[1]), bad, *zip(prompts[2:], params[2:], strict=True)]
-    events: list[tuple[str, int]] = []
-
-    def on_token(i, token, delta):
-        events.append(("token", i))
-
-    def on_finish(i, completion):
-        events.append(("finish", i))
-
-    def more(n):
-        assert n >= 1
-        if events.count(("token", 0)) < 2:  # join mid-generation
-            return []
-        taken, later[:] = later[:n], later[n:]
-        return taken
-
-    completions = gen.generate(
-        prompts[:1], params[0], on_token=on_token, on_finish=on_finish, more=more
-    )
-    assert not later and len(completions) == 5
-    error = completions[2]
-    assert error.finish_reason == "error" and "token ids" in error.error and not error.tokens
-    assert ("finish", 2) in events and ("token", 2) not in events
-    joined = events.index(("token", 1))
-    assert ("token", 0) in events[joined:]  # request 1 started while request 0 still ran
-    good = [0, 1, 3, 4]
-    for i, prompt, p in zip(good, prompts, params, strict=True):
-        [alone] = _generator().generate([prompt], p)
-        assert completions[i].tokens == alone.tokens, i
-        assert completions[i].finish_reason == alone.finish_reason
-        assert completions[i].prompt_tokens == prompt
 
 
 def test_streaming_deltas_add_up_and_stop_strings_never_stream():
@@ -329,9 +289,9 @@ def test_all_reduce_usage_and_log(caplog):
     engine = _engine("psum").with_all_reduce("equarx-int8")  # default 1 MiB gate
     gen = Generator(engine)
     usage = gen.all_reduce_usage(batch=2, prompt_len=20)
-    assert usage["prefill"]["shape"] == [2, 32, CONFIG.embed_dim]
-    assert usage["prefill"]["message_bytes"] == 2 * 32 * CONFIG.embed_dim * 4
-    assert usage["prefill"]["uses"] == usage["decode"]["uses"] == "psum (size gate)"
+    assert usage.prefill.shape == (2, 32, CONFIG.embed_dim)
+    assert usage.prefill.message_bytes == 2 * 32 * CONFIG.embed_dim * 4
+    assert usage.prefill.uses == usage.decode.uses == "psum (size gate)"
     with caplog.at_level(logging.INFO, logger="equarx_serve.decode"):
         gen.generate(_prompts((4,)), SamplingParams(max_tokens=2))
         gen.generate(_prompts((5,)), SamplingParams(max_tokens=2))
@@ -345,7 +305,7 @@ def test_equarx_int8_decoding_is_close_to_psum():
     equarx = get_all_reduce("equarx-int8", min_size_bytes=0)
     gen = Generator(_engine().with_all_reduce(equarx))
     usage = gen.all_reduce_usage(3, 21)
-    assert usage["prefill"]["uses"] == usage["decode"]["uses"] == "equarx-int8"
+    assert usage.prefill.uses == usage.decode.uses == "equarx-int8"
     prompts = _prompts(PROMPT_LENGTHS, seed=8)
     params = SamplingParams(max_tokens=6)
     quantized = gen.generate(prompts, params)

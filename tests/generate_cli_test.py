@@ -26,8 +26,18 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def test_json_end_to_end(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text('second prompt\n\n{"prompt": "third"}\n')
-    done = _run(*TINY, "--prompt", "Hello", "--prompt-file", str(prompts), "--max-batch", "2",
-                "--all-reduce", "equarx-int8:min_size_bytes=0", "--json")  # fmt: skip
+    done = _run(
+        *TINY,
+        "--prompt",
+        "Hello",
+        "--prompt-file",
+        str(prompts),
+        "--max-batch",
+        "2",
+        "--all-reduce",
+        "equarx-int8:min_size_bytes=0",
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     record = json.loads(done.stdout)
     assert record["tp"] == 2 and record["model"] == "tiny"

@@ -1,6 +1,7 @@
-"""The OpenAI-compatible server (`equarx_serve/server.py`) on the tiny random-init model at TP=2:
+"""The OpenAI-compatible server (`equarx_serve/server/`) on the tiny random-init model at TP=2:
 the endpoints, streaming, errors, the bounded queue, batching of concurrent requests, client
-disconnects, and one real `equarx-serve serve` process stopped with SIGTERM."""
+disconnects, the all-reduce bytes metric against the compiled program's HLO, and one real
+`equarx-serve serve` process stopped with SIGTERM."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,12 +16,16 @@ import time
 
 import httpx
 import pytest
+from _serving import wait_healthy
 from fastapi.testclient import TestClient
 
+from equarx_serve.bench.hlo_bytes import collective_wire_bytes
 from equarx_serve.decode import Generator
 from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.runner import DeviceRunner
+from equarx_serve.generation.steps import DecodeStep, PrefillStep
+from equarx_serve.multiprocess import free_port
 from equarx_serve.server import create_app
-from equarx_serve.server_metrics import prefill_all_reduce_bytes
 
 MODEL = "tiny"
 MAX_LENGTH = 256
@@ -30,65 +34,63 @@ PROMPT = "hello the world"
 GREEDY = {"temperature": 0.0, "max_tokens": 8}
 
 
-class Gated:
-    """A Generator that can be held before it starts (`hold`), slowed per token
-    (`token_delay_s`) or made to fail once (`fail_next`); it records every call's batch size
-    and completions."""
+class GatedRunner:
+    """A DeviceRunner whose model steps can be held at a gate (`open` cleared, or `hold_at`:
+    the gate closes before that many model steps have run): a step waits there, and `entered`
+    is set. It can fail once (`fail_next`), and records every step and its output."""
 
-    def __init__(self, inner: Generator):
+    def __init__(self, inner: DeviceRunner):
         self.inner = inner
+        self.engine = inner.engine
         self.open = threading.Event()
         self.open.set()
         self.entered = threading.Event()
-        self.token_delay_s = 0.0
+        self.hold_at: int | None = None
         self.fail_next: Exception | None = None
-        self.batches: list[int] = []
-        self.completions: list = []
+        self.steps: list = []  # (step, output)
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def run(self, step):
+        if isinstance(step, PrefillStep | DecodeStep):
+            if self.hold_at is not None and len(self.prefills() + self.decodes()) >= self.hold_at:
+                self.hold_at = None
+                self.open.clear()
+            if not self.open.is_set():
+                self.entered.set()
+            assert self.open.wait(60), "the test never opened the gate"
+            if self.fail_next is not None:
+                error, self.fail_next = self.fail_next, None
+                raise error
+        output = self.inner.run(step)
+        self.steps.append((step, output))
+        return output
 
-    def generate(self, prompts, params, *, on_token=None, **kwargs):
-        self.batches.append(len(prompts))
-        self.entered.set()
-        self.open.wait(30)
-        if self.fail_next is not None:
-            error, self.fail_next = self.fail_next, None
-            raise error
+    def prefills(self) -> list:
+        return [(s, o) for s, o in self.steps if isinstance(s, PrefillStep)]
 
-        def slow(i, token, text):
-            time.sleep(self.token_delay_s)
-            return on_token(i, token, text)
-
-        out = self.inner.generate(prompts, params, on_token=slow if on_token else None, **kwargs)
-        self.completions += out
-        return out
-
-
-@pytest.fixture(scope="module")
-def generator() -> Generator:
-    engine = PrefillEngine.from_name(MODEL, 2, "equarx-int8", max_length=MAX_LENGTH)
-    return Generator(engine, max_batch=4)
+    def decodes(self) -> list:
+        return [(s, o) for s, o in self.steps if isinstance(s, DecodeStep)]
 
 
 @pytest.fixture(scope="module")
-def gated(generator) -> Gated:
-    return Gated(generator)
+def engine() -> PrefillEngine:
+    return PrefillEngine.from_name(MODEL, 2, "equarx-int8", max_length=MAX_LENGTH)
+
+
+def gated_generator(engine: PrefillEngine, max_batch: int = 4) -> Generator:
+    """A generator with a runner of its own (one engine at a time may use a runner)."""
+    return Generator(engine, max_batch=max_batch, runner=GatedRunner(DeviceRunner(engine)))
 
 
 @pytest.fixture(scope="module")
-def client(gated):
-    app = create_app(gated, model_name=MODEL, max_queue=8, max_prompt_tokens=MAX_PROMPT)
+def generator(engine) -> Generator:
+    return gated_generator(engine)
+
+
+@pytest.fixture(scope="module")
+def client(generator):
+    app = create_app(generator, model_name=MODEL, max_queue=8, max_prompt_tokens=MAX_PROMPT)
     with TestClient(app) as c:
         yield c
-
-
-@pytest.fixture(autouse=True)
-def _reset(request):
-    if "gated" in request.fixturenames:
-        gated = request.getfixturevalue("gated")
-        gated.open.set()
-        gated.token_delay_s, gated.fail_next = 0.0, None
 
 
 def sse_events(text: str) -> list:
@@ -143,9 +145,13 @@ def test_completion_stream_matches_non_streamed(client, generator):
 
     r = client.post(
         "/v1/completions",
-        json={"prompt": [PROMPT], "stream": True, "stream_options": {"include_usage": True},
-              **GREEDY},
-    )  # fmt: skip
+        json={
+            "prompt": [PROMPT],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **GREEDY,
+        },
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = sse_events(r.text)
     assert events[-1] == "[DONE]"
@@ -217,11 +223,37 @@ def test_metrics_after_requests(client, generator):
     assert metric(text, "equarx_queue_depth") == 0
     assert metric(text, "equarx_requests_in_flight") == 0
     assert metric(text, "equarx_tensor_parallel_degree") == 2
+    assert metric(text, "equarx_processes") == 1
     assert metric(text, "equarx_model_info", model=MODEL, all_reduce="equarx-int8", tp="2") == 1
-    expected = prefill_all_reduce_bytes(
-        generator.engine, 1, len(generator.tokenizer.encode(PROMPT))
-    )
-    assert metric(text, "equarx_all_reduce_bytes_per_prefill") == expected > 0
+    assert metric(text, "equarx_engine_steps_total", phase="prefill") >= 1
+
+
+def _hlo_bytes(output) -> int:
+    """Bytes each device sends in the collectives of the program a step ran (its HLO)."""
+    return sum(collective_wire_bytes(output.program.hlo_text(), 2).values())
+
+
+@pytest.mark.parametrize("all_reduce", ["equarx-int8", "equarx-int8:min_size_bytes=0"])
+def test_all_reduce_bytes_metric_is_what_the_compiled_programs_send(engine, all_reduce):
+    """One short request alone (a 1-request prefill, padded to 2 rows for XLA:CPU): the bytes
+    metrics equal the collective bytes of the compiled programs that ran, counted from their
+    HLO (gated: psum's f32 all-reduces; ungated: equarx's int8 ring)."""
+    from equarx_serve.collectives import get_all_reduce
+
+    options = {"min_size_bytes": 0} if all_reduce.endswith("=0") else {}
+    generator = gated_generator(engine.with_all_reduce(get_all_reduce("equarx-int8", **options)))
+    app = create_app(generator, model_name=MODEL, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})
+        assert r.status_code == 200, r.text
+        text = client.get("/metrics").text
+    runner = generator.runner
+    [(step, prefill)] = runner.prefills()
+    assert len(step.prompts) == 2  # the request and its padding copy
+    assert metric(text, "equarx_all_reduce_bytes_per_prefill") == _hlo_bytes(prefill) > 0
+    assert metric(text, "equarx_all_reduce_bytes_total", phase="prefill") == _hlo_bytes(prefill)
+    decoded = sum(_hlo_bytes(output) for _, output in runner.decodes())
+    assert metric(text, "equarx_all_reduce_bytes_total", phase="decode") == decoded > 0
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -270,20 +302,29 @@ def test_bad_chat_requests(client, body, status, param):
 
 def test_malformed_json_unknown_path_and_recovery(client):
     error = assert_error(
-        client.post("/v1/completions", content=b'{"prompt": ',
-                    headers={"content-type": "application/json"}), 400,
-    )  # fmt: skip
+        client.post(
+            "/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"}
+        ),
+        400,
+    )
     assert "JSON" in error["message"]
     assert_error(client.get("/v1/nothing"), 404)
     assert_error(client.get("/v1/completions"), 405)
     text = client.get("/metrics").text
-    assert metric(text, "equarx_request_errors_total", endpoint="/v1/completions",
-                  type="invalid_request_error") >= 1  # fmt: skip
+    assert (
+        metric(
+            text,
+            "equarx_request_errors_total",
+            endpoint="/v1/completions",
+            type="invalid_request_error",
+        )
+        >= 1
+    )
     assert client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}).status_code == 200
 
 
-def test_generation_failure_is_500_and_server_recovers(client, gated):
-    gated.fail_next = RuntimeError("device on fire")
+def test_generation_failure_is_500_and_server_recovers(client, generator):
+    generator.runner.fail_next = RuntimeError("device on fire")
     error = assert_error(client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}), 500)
     assert "device on fire" in error["message"] and error["type"] == "server_error"
     assert client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}).status_code == 200
@@ -299,170 +340,213 @@ def _post_in_thread(client, results: list, body: dict) -> threading.Thread:
     return thread
 
 
-def _wait_for(condition, timeout_s: float = 20.0) -> None:
+def _wait_for(condition, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.01)
 
 
-def test_concurrent_requests_share_one_generate_call(client, gated):
-    scheduler = client.app.state.scheduler
-    gated.open.clear()
-    gated.entered.clear()
-    results: list = []
-    threads = [_post_in_thread(client, results, {"prompt": PROMPT, **GREEDY})]
-    _wait_for(gated.entered.is_set)  # the worker holds the first request
-    before = len(gated.batches)
-    threads += [
-        _post_in_thread(client, results, {"prompt": f"{PROMPT} {i}", **GREEDY}) for i in range(3)
-    ]
-    _wait_for(lambda: scheduler._queue.qsize() == 3)
-    gated.open.set()
-    for t in threads:
-        t.join(30)
-    assert [r.status_code for r in results] == [200] * 4
-    assert gated.batches[before - 1 :] == [1]  # the three waiting ones joined the held call
-    text = client.get("/metrics").text
-    assert metric(text, "equarx_batch_size_bucket", le="3.0") - metric(
-        text, "equarx_batch_size_bucket", le="2.0") >= 1  # fmt: skip
-
-
-def test_request_sent_during_a_long_batch_joins_it(gated):
-    """max_batch 2, one long request running: a short one sent meanwhile takes the free slot
-    in the same generate call and finishes first (it used to wait for the whole batch)."""
-    app = create_app(gated, model_name=MODEL, max_batch=2, max_prompt_tokens=MAX_PROMPT)
+def test_requests_waiting_for_a_held_step_are_prefilled_together(engine):
+    generator = gated_generator(engine)
+    runner = generator.runner
+    app = create_app(generator, model_name=MODEL, max_prompt_tokens=MAX_PROMPT)
     with TestClient(app) as client:
-        scheduler = app.state.scheduler
-        gated.token_delay_s = 0.02  # the long request: >= 2 s
-        calls, batches = scheduler.generate_calls, len(gated.batches)
-        done: dict[str, float] = {}
-        results: dict[str, dict] = {}
-
-        def post(name: str, body: dict) -> threading.Thread:
-            def run():
-                r = client.post("/v1/completions", json=body)
-                done[name] = time.monotonic()
-                assert r.status_code == 200, r.text
-                results[name] = r.json()
-
-            thread = threading.Thread(target=run)
-            thread.start()
-            return thread
-
-        long = post("long", {"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0})
-        _wait_for(lambda: scheduler.generate_calls == calls + 1)
-        time.sleep(0.3)  # well into the long request's decoding
-        sent = time.monotonic()
-        short = post("short", {"prompt": "joining", "max_tokens": 4, "temperature": 0.0})
-        short.join(30)
-        long.join(60)
-        assert done["short"] < done["long"]
-        assert scheduler.generate_calls == calls + 1 and gated.batches[batches:] == [1]
-        assert results["long"]["usage"]["completion_tokens"] == 100
-        assert results["long"]["timings"]["total_ms"] > 2000
-        short_ms = 1e3 * (done["short"] - sent)
-        print(f"short request sent mid-batch: {short_ms:.0f} ms; long one: "
-              f"{results['long']['timings']['total_ms']:.0f} ms; short timings "
-              f"{results['short']['timings']}")  # fmt: skip
-        assert short_ms < 1e3 * (done["long"] - sent)
-        text = client.get("/metrics").text
-        assert metric(text, "equarx_requests_in_flight") == 0
-        assert metric(text, "equarx_queue_depth") == 0
-
-
-def test_full_queue_answers_503_at_once(gated):
-    app = create_app(gated, model_name=MODEL, max_queue=1, max_prompt_tokens=MAX_PROMPT)
-    with TestClient(app) as client:
-        gated.open.clear()
-        gated.entered.clear()
+        worker = app.state.worker
+        runner.open.clear()
+        runner.entered.clear()
         results: list = []
         threads = [_post_in_thread(client, results, {"prompt": PROMPT, **GREEDY})]
-        _wait_for(gated.entered.is_set)
-        threads.append(_post_in_thread(client, results, {"prompt": PROMPT, **GREEDY}))
-        _wait_for(lambda: app.state.scheduler._queue.qsize() == 1)
-        t0 = time.monotonic()
-        r = client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})
-        assert time.monotonic() - t0 < 2.0
-        error = assert_error(r, 503)
-        assert error["code"] == "queue_full" and r.headers["retry-after"] == "1"
-        gated.open.set()
+        _wait_for(runner.entered.is_set)  # the worker holds the first request's prefill
+        threads += [
+            _post_in_thread(client, results, {"prompt": f"{PROMPT} {i}", **GREEDY})
+            for i in range(3)
+        ]
+        _wait_for(lambda: worker.queue_depth == 3)
+        runner.open.set()
         for t in threads:
-            t.join(30)
+            t.join(60)
+        assert [r.status_code for r in results] == [200] * 4
+        # The three that waited took the three free slots in one prefill step.
+        assert [len(set(s.slots) - {s.cache_rows}) for s, _ in runner.prefills()] == [1, 3]
+        text = client.get("/metrics").text
+        assert (
+            metric(text, "equarx_batch_size_bucket", le="3.0")
+            - metric(text, "equarx_batch_size_bucket", le="2.0")
+            == 1
+        )
+
+
+def test_request_sent_while_another_decodes_joins_its_batch(engine):
+    """max_batch 2, one long request decoding: a short one sent meanwhile is prefilled into the
+    free slot between two of the long one's decode steps, both then decode in the same steps,
+    and the short one is answered while the long one still streams."""
+    generator = gated_generator(engine, max_batch=2)
+    runner = generator.runner
+    app = create_app(generator, model_name=MODEL, max_batch=2, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app) as client:
+        runner.hold_at = 3  # the long request's prefill and 2 decode steps, then wait
+        long = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0, "stream": True}
+        with client.stream("POST", "/v1/completions", json=long) as stream:
+            _wait_for(runner.entered.is_set)
+            results: list = []
+            short = _post_in_thread(
+                client, results, {"prompt": "joining", "max_tokens": 4, "temperature": 0.0}
+            )
+            _wait_for(lambda: app.state.worker.queue_depth == 1)
+            runner.open.set()
+            short.join(60)
+            assert results[0].status_code == 200, results[0].text
+            assert runner.decodes()[-1][0].lengths[0] < len(PROMPT) + 100  # the long one runs
+            events = sse_events("\n\n".join(line for line in stream.iter_lines() if line))
+        assert events[-1] == "[DONE]"
+        text = client.get("/metrics").text
+    model_steps = [s for s, _ in runner.steps if isinstance(s, PrefillStep | DecodeStep)]
+    prefills = [i for i, s in enumerate(model_steps) if isinstance(s, PrefillStep)]
+    # Held before step 3 (a decode already decided), then the short one's prefill.
+    assert prefills == [0, 4]
+    both = [s for s, _ in runner.decodes() if all(s.lengths)]  # both slots decoding
+    assert 1 <= len(both) <= 4
+    assert metric(text, "equarx_requests_finished_total", finish_reason="length") >= 1
+    assert metric(text, "equarx_requests_in_flight") == 0
+
+
+def test_full_queue_answers_503_at_once(engine):
+    generator = gated_generator(engine)
+    runner = generator.runner
+    app = create_app(generator, model_name=MODEL, max_queue=1, max_prompt_tokens=MAX_PROMPT)
+    with TestClient(app) as client:
+        runner.open.clear()
+        runner.entered.clear()
+        results: list = []
+        threads = [_post_in_thread(client, results, {"prompt": PROMPT, **GREEDY})]
+        _wait_for(runner.entered.is_set)
+        # The engine has free slots, but the worker is inside a step: this one waits queued.
+        threads.append(_post_in_thread(client, results, {"prompt": PROMPT, **GREEDY}))
+        _wait_for(lambda: app.state.worker.queue_depth == 1)
+        r = client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY})
+        error = assert_error(r, 503)  # answered while the step is still held
+        assert error["code"] == "queue_full" and r.headers["retry-after"] == "1"
+        assert not runner.open.is_set()
+        runner.open.set()
+        for t in threads:
+            t.join(60)
         assert [r.status_code for r in results] == [200, 200]
 
 
-def test_draining_refuses_new_requests(gated):
-    app = create_app(gated, model_name=MODEL, max_prompt_tokens=MAX_PROMPT)
+def test_draining_refuses_new_requests(engine):
+    app = create_app(gated_generator(engine), model_name=MODEL, max_prompt_tokens=MAX_PROMPT)
     with TestClient(app) as client:
         assert client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}).status_code == 200
-        app.state.scheduler.drain()
+        app.state.worker.drain()
         error = assert_error(client.post("/v1/completions", json={"prompt": PROMPT, **GREEDY}), 503)
         assert error["code"] == "shutting_down"
-        assert client.get("/health").status_code == 503
+        assert client.get("/health").json() == {"status": "draining"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_engine_failure_answers_503_and_health_says_why(engine):
+    """`fail` (what a lost follower process triggers) answers every request at once, even
+    while the worker is stuck inside a step, and refuses new ones."""
+    generator = gated_generator(engine)
+    runner = generator.runner
+    failures: list[str] = []
+    app = create_app(
+        generator, model_name=MODEL, max_prompt_tokens=MAX_PROMPT, on_failure=failures.append
+    )
+    with TestClient(app) as client:
+        runner.open.clear()
+        runner.entered.clear()
+        results: list = []
+        thread = _post_in_thread(client, results, {"prompt": PROMPT, **GREEDY})
+        _wait_for(runner.entered.is_set)  # stuck inside a step
+        app.state.worker.fail("process 1 exited")
+        thread.join(60)
+        error = assert_error(results[0], 503)
+        assert error["code"] == "engine_unavailable" and "process 1 exited" in error["message"]
+        error = assert_error(client.post("/v1/completions", json={"prompt": PROMPT}), 503)
+        assert error["code"] == "engine_unavailable"
+        health = client.get("/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "failed", "reason": "process 1 exited"}
+        assert failures == ["process 1 exited"]
+        runner.open.set()
 
 
-def test_client_disconnect_frees_its_slot(gated):
+def test_client_disconnect_frees_its_slot(engine):
     import uvicorn
 
-    app = create_app(gated, model_name=MODEL, max_queue=4, max_prompt_tokens=MAX_PROMPT)
-    port = _free_port()
+    generator = gated_generator(engine)
+    runner = generator.runner
+    app = create_app(generator, model_name=MODEL, max_queue=4, max_prompt_tokens=MAX_PROMPT)
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run)
     thread.start()
     try:
         _wait_for(lambda: server.started)
-        gated.token_delay_s = 0.05  # 100 tokens would take >= 5 s
-        done = len(gated.completions)
-        body = {"prompt": PROMPT, "max_tokens": 100, "temperature": 0.0, "stream": True}
+        runner.hold_at = 3  # the request's prefill and 2 decode steps, then it waits
+        body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0.0, "stream": True}
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body) as r:
             assert r.status_code == 200
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-        _wait_for(lambda: len(gated.completions) > done)
-        completion = gated.completions[-1]
-        assert completion.finish_reason == "cancelled" and len(completion.tokens) < 100
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert metric(text, "equarx_requests_finished_total", finish_reason="cancelled") == 1
-        assert metric(text, "equarx_requests_in_flight") == 0
+            _wait_for(runner.entered.is_set)
+        # The client is gone; the server notices and cancels it in the engine.
+        url = f"http://127.0.0.1:{port}/metrics"
+
+        def cancelled() -> float:
+            text = httpx.get(url).text
+            return metric(text, "equarx_requests_finished_total", finish_reason="cancelled")
+
+        _wait_for(lambda: cancelled() == 1)
+        runner.open.set()
+        _wait_for(lambda: not app.state.worker.engine.has_unfinished)
+        assert len(runner.decodes()) <= 3
+        assert metric(httpx.get(url).text, "equarx_requests_in_flight") == 0
     finally:
+        runner.open.set()
         server.should_exit = True
         thread.join(30)
 
 
 # -- the command ---------------------------------------------------------------------------------
 def test_serve_command_end_to_end_and_sigterm():
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     process = subprocess.Popen(
-        [sys.executable, "-m", "equarx_serve", "serve", "--model", MODEL, "--tp", "2",
-         "--port", str(port), "--max-length", "512", "--log-level", "warning"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "equarx_serve",
+            "serve",
+            "--model",
+            MODEL,
+            "--tp",
+            "2",
+            "--port",
+            str(port),
+            "--max-length",
+            "512",
+            "--log-level",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stdout.read()
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.2)
+        wait_healthy(url, [process], timeout_s=120)
         r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert "equarx_model_info" in httpx.get(f"{url}/metrics").text
         # SIGTERM while a long stream runs: it still finishes, then the process exits 0.
-        body = {"prompt": PROMPT, "max_tokens": 400, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+        body = {
+            "prompt": PROMPT,
+            "max_tokens": 400,
+            "temperature": 0.0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")

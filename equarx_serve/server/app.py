@@ -1,0 +1,225 @@
+"""The FastAPI app: routes, error handlers, request counting, the worker's lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from equarx_serve.decode import Generator
+from equarx_serve.generation.sampling import SamplingParams
+from equarx_serve.server.metrics import ServerMetrics
+from equarx_serve.server.openai_serving import CHAT, COMPLETIONS, OpenAIServing, ServingLimits
+from equarx_serve.server.protocol import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    validation_api_error,
+)
+from equarx_serve.server.worker import DEFAULT_BATCH_WINDOW_S, EngineWorker
+
+__all__ = ["create_app", "drain_on_exit"]
+
+logger = logging.getLogger("equarx_serve.server")
+
+DEFAULT_MAX_QUEUE = 64
+USAGE_PROMPT_TOKENS = 128  # the prompt length the info metric's all-reduce usage is shown for
+WARMUP_PROMPT = "Hello"
+ENDPOINTS = (COMPLETIONS.path, CHAT.path, "/v1/models", "/health", "/metrics")
+
+
+class _CountRequests:
+    """ASGI middleware: equarx_requests{endpoint, status} for every HTTP response (streamed
+    ones included, counted when their headers go out)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+
+        async def counting_send(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _warm_up(worker: EngineWorker, tokenizer: Any) -> None:
+    """One short request through the worker's own engine (before its thread starts): compiles
+    the first prefill program and the decode program of a full batch."""
+    engine = worker.engine
+    engine.add_request("warm-up", tokenizer.encode(WARMUP_PROMPT), SamplingParams(max_tokens=2))
+    while engine.has_unfinished:
+        engine.step()
+
+
+def create_app(
+    generator: Generator,
+    *,
+    model_name: str,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_prompt_tokens: int | None = None,
+    max_batch: int | None = None,
+    batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
+    default_max_tokens: int = 256,
+    warmup: bool = False,
+    on_failure: Callable[[str], None] = lambda reason: None,
+) -> FastAPI:
+    """The server for `generator` (its runner, tokenizer and limits).
+
+    Args:
+      model_name: The id in /v1/models; requests naming another model get 404.
+      max_queue: Requests that may wait for the worker; one more gets 503.
+      max_prompt_tokens: Longest prompt accepted, in tokens (default: the context length).
+      max_batch: Requests decoded together (default: `generator.max_batch`).
+      batch_window_s: How long the idle worker waits for more requests to batch.
+      default_max_tokens: max_tokens of chat requests that give none (capped by the context).
+      warmup: Run a short generation at start-up (compiles the first programs).
+      on_failure: Called once if the engine fails for good (a lost process of the mesh),
+        after every request was answered 503.
+    """
+    engine = generator.engine
+    tokenizer = generator.tokenizer
+    context = generator.max_context
+    max_batch = max_batch or generator.max_batch
+    usage = generator.all_reduce_usage(max_batch, min(USAGE_PROMPT_TOKENS, context))
+    processes = len({device.process_index for device in engine.mesh.devices.flat})
+    metrics = ServerMetrics(model_name=model_name, engine=engine, usage=usage, processes=processes)
+    worker = EngineWorker(
+        generator.new_engine(max_batch, on_step=metrics.observe_step),
+        max_queue=max_queue,
+        batch_window_s=batch_window_s,
+        on_queue_depth=metrics.queue_depth.set,
+        on_dequeue=lambda job: metrics.queue_seconds.observe(time.perf_counter() - job.arrived),
+        on_failure=on_failure,
+    )
+    limits = ServingLimits(
+        context=context,
+        max_prompt=min(max_prompt_tokens or context - 1, context - 1),  # room for one token
+        default_max_tokens=default_max_tokens,
+        max_queue=max_queue,
+    )
+    serving = OpenAIServing(worker, metrics, tokenizer, model_name=model_name, limits=limits)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if warmup:
+            started = time.perf_counter()
+            await asyncio.to_thread(_warm_up, worker, tokenizer)
+            logger.info("warm-up generation: %.0f ms", 1e3 * (time.perf_counter() - started))
+        worker.start()
+        logger.info(
+            "serving %s: TP=%d over %d process(es), all-reduce %s, max_batch %d, max_queue %d, "
+            "max prompt %d tokens, context %d",
+            model_name,
+            engine.tp,
+            processes,
+            engine.all_reduce.name,
+            max_batch,
+            max_queue,
+            limits.max_prompt,
+            context,
+        )
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(worker.stop)
+            logger.info("worker stopped after %d steps", worker.steps)
+
+    app = FastAPI(title="equarx-serve", lifespan=lifespan)
+    app.state.worker, app.state.metrics, app.state.generator = worker, metrics, generator
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    def error_response(request: Request, error: APIError) -> JSONResponse:
+        path = request.url.path
+        metrics.errors.labels(path if path in ENDPOINTS else "other", error.type).inc()
+        level = logging.ERROR if error.status >= 500 else logging.INFO
+        logger.log(level, "%s %s: %d %s", request.method, path, error.status, error.message)
+        headers = {"Retry-After": "1"} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, error: APIError) -> JSONResponse:
+        return error_response(request, error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(request, validation_api_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {error.detail}"
+        return error_response(request, APIError(error.status_code, message, type=kind))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        internal = APIError(500, f"internal error: {error}", type="server_error")
+        return error_response(request, internal)
+
+    @app.post(COMPLETIONS.path)
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        return await serving.completions(body, request)
+
+    @app.post(CHAT.path)
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        return await serving.chat_completions(body, request)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        model = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "equarx-serve",
+            "max_model_len": context,
+            "tp": engine.tp,
+            "all_reduce": engine.all_reduce.name,
+        }
+        return {"object": "list", "data": [model]}
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if worker.failure is not None:
+            return JSONResponse({"status": "failed", "reason": worker.failure}, status_code=503)
+        if worker.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not worker.alive:
+            return JSONResponse({"status": "worker not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def drain_on_exit(server: Any, app: FastAPI) -> None:
+    """Make a `uvicorn.Server`'s SIGTERM/SIGINT drain the worker first (new requests 503)."""
+    handle_exit = server.handle_exit
+
+    def drain_then_exit(sig: int, frame: Any) -> None:
+        app.state.worker.drain()
+        handle_exit(sig, frame)
+
+    server.handle_exit = drain_then_exit

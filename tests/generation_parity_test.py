@@ -1,0 +1,114 @@
+"""The step-wise engine keeps the outputs of the generator it replaced.
+
+The expected tokens below were recorded with the previous `Generator.generate` (one loop with
+its own scheduler, commit b84f87d) on the same prompts and settings: greedy and sampled on the
+random-init "tiny" config, greedy on the real Gemma 3 270M (bf16, TP = 2, 2 slots, so requests
+queue and join mid-batch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import mesh_of
+
+from equarx_serve.collectives import get_all_reduce
+from equarx_serve.decode import Generator, SamplingParams
+from equarx_serve.engine import PrefillEngine
+from models.config import get_config
+
+TINY_MAX_TOKENS = (20, 9, 30, 12, 25)
+TINY_GREEDY = {
+    "psum": [
+        [171, 171, 400, 400, *[81] * 16],
+        [40, *[347] * 8],
+        [*[370] * 5, *[485] * 6, *[69] * 7, 36, 36, *[86] * 10],
+        [368] * 12,
+        [110, 110, 110, *[262] * 11, *[110] * 10, 480],
+    ],
+    "equarx-int8:min_size_bytes=0": [
+        [171, 171, 400, 400, *[81] * 16],
+        [40, *[347] * 8],
+        [*[370] * 5, *[485] * 6, *[69] * 7, 36, 36, *[86] * 10],
+        [368] * 12,
+        [*[110] * 7, 105, *[128] * 6, *[402] * 7, *[328] * 4],
+    ],
+}
+TINY_SAMPLED = {  # temperature 0.8: plain, top_k 40, top_p 0.9; seeds 1, 2, 3
+    "psum": [
+        [419, 137, 151, 197, 409, 344, 346, 223, 338, 129],
+        [369, 369, 244, 249, 347, 97, 154, 154, 154, 180],
+        [324, 324, 241, 174],
+    ],
+    "equarx-int8:min_size_bytes=0": [
+        [419, 137, 151, 197, 409, 344, 346, 223, 338, 129],
+        [369, 369, 216, 69, 347, 97, 154, 154, 154, 180],
+        [324, 324, 241, 174],
+    ],
+}
+
+
+def _ids(text: str) -> list[int]:
+    return [int(t) for t in text.split()]
+
+
+REAL_PROMPTS = [  # the Gemma 3 tokenizer's ids of these texts, BOS first
+    ("The quick brown fox", _ids("2 818 3823 8864 37423")),
+    ("The three primary colors are", _ids("2 818 1806 5905 7913 659")),
+    ("def fibonacci(n):", _ids("2 2063 10779 78113 236769 236749 1473")),
+    (
+        "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+        _ids(
+            "2 14946 3324 496 990 236764 528 496 1944 9744 684 506 5442 236764 993 11742 614 "
+            "2255 79539 1015"
+        ),
+    ),
+]
+REAL_MAX_TOKENS = (16, 12, 20, 16)
+REAL_GREEDY_PSUM = [
+    _ids("38167 1024 506 31770 4799 236761 108 818 31770 4799 563 496 4799 600 563 31770"),
+    _ids("2604 236764 3730 236764 532 7070 236761 108 818 1806 5905 7913"),
+    _ids(
+        "107 140 584 538 1251 236743 236771 236787 107 144 2060 236743 236771 107 140 36208 538 "
+        "1251 236743 236770"
+    ),
+    _ids("9312 531 5385 236761 1293 691 496 1401 1535 79539 236764 532 668 691 1401 11307"),
+]
+
+
+def _tiny_prompts() -> list[list[int]]:
+    rng = np.random.default_rng(123)
+    vocab = get_config("tiny").vocab_size
+    return [[2, *rng.integers(7, vocab, size=n - 1).tolist()] for n in (3, 11, 21, 40, 6)]
+
+
+def _method(label: str):
+    name, _, option = label.partition(":")
+    return get_all_reduce(name, **({"min_size_bytes": 0} if option else {}))
+
+
+@pytest.mark.parametrize("label", list(TINY_GREEDY))
+def test_tiny_outputs_unchanged(label):
+    mesh_of(2)
+    engine = PrefillEngine.from_name("tiny", 2, _method(label), max_length=128)
+    generator = Generator(engine, max_batch=3)
+    prompts = _tiny_prompts()
+    greedy = generator.generate(prompts, [SamplingParams(max_tokens=n) for n in TINY_MAX_TOKENS])
+    assert [c.tokens for c in greedy] == TINY_GREEDY[label]
+    assert {c.finish_reason for c in greedy} == {"length"}
+    sampled = [
+        SamplingParams(max_tokens=10, temperature=0.8, top_k=k, top_p=p, seed=seed)
+        for k, p, seed in ((None, 1.0, 1), (40, 1.0, 2), (None, 0.9, 3))
+    ]
+    assert [c.tokens for c in generator.generate(prompts[:3], sampled)] == TINY_SAMPLED[label]
+
+
+def test_real_270m_greedy_outputs_unchanged():
+    mesh_of(2)
+    engine = PrefillEngine.from_name("gemma3-270m", 2, "psum", max_length=256)
+    generator = Generator(engine, max_batch=2)
+    for text, ids in REAL_PROMPTS:
+        assert generator.tokenizer.encode(text) == ids
+    params = [SamplingParams(max_tokens=n) for n in REAL_MAX_TOKENS]
+    completions = generator.generate([ids for _, ids in REAL_PROMPTS], params)
+    assert [c.tokens for c in completions] == REAL_GREEDY_PSUM
+    assert completions[0].text == " jumps over the lazy dog.\n\nThe lazy dog is a dog that is lazy"

@@ -1,0 +1,59 @@
+"""`serve_bench` against a real server (tiny random-init model, TP = 2, in this process): the
+official OpenAI client's load and time-to-first-token paths, and the summary."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import uvicorn
+
+from equarx_serve import serve_bench
+from equarx_serve.decode import Generator
+from equarx_serve.engine import PrefillEngine
+from equarx_serve.multiprocess import free_port
+from equarx_serve.server import create_app
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def url():
+    engine = PrefillEngine.from_name(MODEL, 2, "equarx-int8", max_length=256)
+    app = create_app(Generator(engine, max_batch=4), model_name=MODEL)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run)
+    thread.start()
+    try:
+        while not server.started:
+            assert thread.is_alive(), "the server did not start"
+            thread.join(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_load_answers_every_request_and_the_server_agrees(url):
+    before = serve_bench.finished_on_server(url)
+    level = asyncio.run(serve_bench.load_level(url, MODEL, clients=4, per_client=2, max_tokens=4))
+    assert (level.requests, level.answered, level.errors, level.lost) == (8, 8, 0, 0)
+    assert 0 < level.latency_p50_s <= level.latency_p99_s
+    assert 0 < level.completion_tokens <= 8 * 4
+    assert serve_bench.finished_on_server(url) - before == 8
+
+
+def test_time_to_first_token_and_summary(url):
+    prompt = serve_bench.long_prompt(MODEL, 100)
+    seconds, prompt_tokens = serve_bench.time_to_first_token(url, MODEL, prompt)
+    assert seconds > 0 and prompt_tokens == 100
+    result = {
+        "ttft": {
+            "psum": {"prompt_tokens": 100, "seconds": [2.0], "median_s": 2.0},
+            "equarx-int8": {"prompt_tokens": 100, "seconds": [1.0], "median_s": 1.0},
+        },
+        "load": [],
+    }
+    assert "`equarx-int8` / `psum` TTFT: 0.500x" in serve_bench.format_summary(result)
