@@ -59,6 +59,7 @@ PREFIX = "equarx-"
 SUBNET = "10.77.0"  # host i is SUBNET.(i+1); the /24 exists only inside the namespaces
 HOST_NAME = "equarx-h{}"
 STATE_DIR = Path("/run/equarx-cluster")  # <run>.lock: held by the live process of a run
+NETNS_RUN = Path("/run/netns")  # `ip netns add NS` makes NETNS_RUN/NS
 NETNS_ETC = Path("/etc/netns")  # `ip netns exec NS` mounts NETNS_ETC/NS/* over /etc/*
 _NAMESPACE = re.compile(rf"{PREFIX}(?P<run>[0-9a-f]{{8}})-(?P<role>sw|h\d+)")
 MAX_HOSTS = 250
@@ -417,6 +418,10 @@ class Cluster:
 
     def namespaces(self) -> list[str]:
         return [self.switch_namespace, *map(self.namespace, range(self.num_hosts))]
+
+    def namespace_path(self, host: int) -> str:
+        """The file of host's network namespace (for `setns`)."""
+        return str(NETNS_RUN / self.namespace(host))
 
     def address(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
