@@ -48,7 +48,6 @@ from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.devices import DEVICE_COUNT_FLAG, set_host_device_count
 
 if TYPE_CHECKING:
-    from equarx_serve.cluster import Link
     from equarx_serve.engine import PrefillEngine
     from equarx_serve.generation.replicated import Leader
 
@@ -135,7 +134,6 @@ class Cluster:
     control_port: int = 0
     follower_timeout_s: float = DEFAULT_FOLLOWER_TIMEOUT_S
     launch: int | None = None
-    link: Link | None = None  # the launch's processes on emulated hosts joined by this link
 
     @property
     def member(self) -> bool:
@@ -149,8 +147,8 @@ class Cluster:
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
     """The processes the flags describe; UsageError for flags that do not go together."""
     tp = args.tp
-    try:
-        link = links.link_from_args(args, processes=(args.processes or 1) > 1)
+    try:  # --link's own checks (launch_local builds the hosts)
+        links.link_from_args(args, processes=(args.processes or 1) > 1)
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.processes is not None:
@@ -158,7 +156,7 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
             raise UsageError("--processes starts local processes: drop --coordinator")
         if tp % args.processes:
             raise UsageError(f"--tp {tp} must be a multiple of --processes {args.processes}")
-        return Cluster(launch=args.processes, link=link) if args.processes > 1 else Cluster()
+        return Cluster(launch=args.processes) if args.processes > 1 else Cluster()
     if args.coordinator is None:
         if args.num_processes != 1 or args.process_id != 0:
             raise UsageError("--num-processes and --process-id need --coordinator")
