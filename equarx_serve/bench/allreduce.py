@@ -347,7 +347,8 @@ def run(config: BenchConfig) -> int:
             try:
                 results += _measure_mesh(mode, n, methods, config, bar)
             except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-                bar.write(f"error: {mesh_title(mode, n)}: {e}", file=sys.stderr)
+                link = config.link if mode == "processes" else None
+                bar.write(f"error: {mesh_title(mode, n, link)}: {e}", file=sys.stderr)
                 return 1
     if config.json_path:
         write_json(results, config, config.json_path)
