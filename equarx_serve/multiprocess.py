@@ -1,10 +1,11 @@
 """Running one program as several JAX processes: on one host (local) or across hosts.
 
 Every process calls `initialize` with the same coordinator address and process count and its
-own id; on CPU the cross-process collectives go through gloo (a real transport). For local
-runs, `run_local_processes` starts N copies of a command on 127.0.0.1, appends those three
+own id; on CPU the cross-process collectives go through gloo (a real transport).
+`run_local_processes` starts N copies of a command from this machine, appends those three
 flags to each, and collects their output; when one fails, it stops the others and raises with
-the failing process's stderr.
+the failing process's stderr. The processes run on 127.0.0.1, or on the emulated hosts of a
+`cluster.Cluster` (`hosts=`: network namespaces joined by shaped links).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import jax
 
@@ -43,6 +45,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class Hosts(Protocol):
+    """Where the processes of a run go: process i runs `command(i, argv)`, and process 0's
+    coordinator listens at `coordinator()` (a fresh host:port each call)."""
+
+    def coordinator(self) -> str: ...
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]: ...
+
+
+class Localhost:
+    """Every process on this machine, over loopback."""
+
+    def coordinator(self) -> str:
+        return f"127.0.0.1:{free_port()}"
+
+    def command(self, host: int, argv: Sequence[str]) -> list[str]:
+        return list(argv)
+
+
 @dataclass(frozen=True)
 class ProcessOutput:
     process_id: int
@@ -56,9 +77,12 @@ def run_local_processes(
     *,
     timeout_s: float,
     env: dict[str, str] | None = None,
+    hosts: Hosts | None = None,
 ) -> list[ProcessOutput]:
-    """Runs `command` as `num_processes` cooperating JAX processes on this host."""
-    coordinator = f"127.0.0.1:{free_port()}"
+    """Runs `command` as `num_processes` cooperating JAX processes, process i on host i of
+    `hosts` (default: all on 127.0.0.1)."""
+    hosts = hosts or Localhost()
+    coordinator = hosts.coordinator()
     child_env = {**os.environ, **(env or {})}
     # One device per process; the host-device-count flag is for single-process runs only.
     xla_flags = child_env.get("XLA_FLAGS", "").split()
@@ -76,15 +100,14 @@ def run_local_processes(
         ]
         procs = [
             subprocess.Popen(
-                [
-                    *command,
-                    "--coordinator",
-                    coordinator,
-                    "--num-processes",
-                    str(num_processes),
-                    "--process-id",
-                    str(i),
-                ],
+                hosts.command(
+                    i,
+                    [
+                        *command,
+                        *["--coordinator", coordinator, "--num-processes", str(num_processes)],
+                        *["--process-id", str(i)],
+                    ],
+                ),
                 stdout=stdout,
                 stderr=stderr,
                 text=True,

@@ -16,9 +16,15 @@ on CPU, `multiprocess.initialize`), and loads the model; process 0 (the leader) 
 for the others on the control port (default: the coordinator's port + 1, on its host) and
 drives the steps (`generation/replicated.py`); the others follow until it stops them.
 
-Another way to start the processes (for example emulated hosts on shaped links) only needs to
-run the same member command lines, each with its own `--process-id`, and give them a
-coordinator address they all reach.
+With `--link RATE [--link-delay D]` the N local processes run on N emulated hosts joined by
+links of that rate (`equarx_serve.cluster`: network namespaces, a bridge, tc; needs root), the
+link measured first and printed; the coordinator and the control channel are on host 0. `serve`
+then listens inside host 0's namespace, and the launcher forwards its own --host/--port (in the
+namespace it runs in) there (`port_forward.py`: no interface or route is added to any
+namespace). Everything goes when the launch ends, however it ends (the Cluster's teardown).
+
+Another way to start the processes only needs to run the same member command lines, each with
+its own `--process-id`, and give them a coordinator address they all reach.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from equarx_serve.bench import links
 from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.devices import DEVICE_COUNT_FLAG, set_host_device_count
 
@@ -105,6 +112,7 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="a process silent this long (stopped, hung) is lost (default: %(default)s)",
     )
+    links.add_arguments(group, argument_type)
 
 
 def _positive_seconds(text: str) -> float:
@@ -139,6 +147,10 @@ class Cluster:
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
     """The processes the flags describe; UsageError for flags that do not go together."""
     tp = args.tp
+    try:  # --link's own checks (launch_local builds the hosts)
+        links.link_from_args(args, processes=(args.processes or 1) > 1)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.processes is not None:
         if args.coordinator is not None:
             raise UsageError("--processes starts local processes: drop --coordinator")
@@ -218,21 +230,26 @@ def run_follower(cluster: Cluster, engine: PrefillEngine) -> int:
 # -- the local launcher --------------------------------------------------------------------------
 
 
+LAUNCHER_FLAGS = ("--processes", "--link", "--link-delay")  # the launcher's own, with a value
+
+
 def _member_argv(command: str) -> list[str]:
-    """This command line without --processes (the launcher re-runs it)."""
+    """This command line without the launcher's flags (the launcher re-runs it)."""
     argv = sys.argv[1:]
     if not argv or argv[0] != command:
         raise UsageError(f"--processes re-runs the command line; it must start with {command!r}")
     out: list[str] = []
     skip = False
     for arg in argv:
+        name = arg.split("=", 1)[0]
         if skip:
             skip = False
-        elif arg == "--processes":
+        elif arg in LAUNCHER_FLAGS:
             skip = True
-        elif not arg.startswith("--processes="):
-            if len(arg) > 5 and "--processes".startswith(arg):
-                raise UsageError(f"spell --processes in full, not {arg!r}")
+        elif name not in LAUNCHER_FLAGS:
+            abbreviated = [flag for flag in LAUNCHER_FLAGS if flag.startswith(name)]
+            if len(name) > 5 and abbreviated:
+                raise UsageError(f"spell {abbreviated[0]} in full, not {arg!r}")
             out.append(arg)
     return [sys.executable, "-m", "equarx_serve", *out]
 
@@ -261,12 +278,53 @@ def local_placement() -> Placement:
 
 
 def launch_local(command: str, num_processes: int, placement: Placement | None = None) -> int:
-    """Runs this command as `num_processes` member processes (see module doc), on this host's
-    loopback unless `placement` says otherwise; returns the exit code: process 0's if it
-    failed, else the first failing process's, else 0."""
+    """Runs this command as `num_processes` member processes (see module doc): where
+    `placement` says, else on emulated hosts when the command line has --link, else on this
+    host's loopback. Returns the exit code: process 0's if it failed, else the first failing
+    process's, else 0."""
+    if placement is None:
+        args = _command_line()
+        if args.link is not None:
+            return _launch_on_emulated_hosts(command, num_processes, args)
+    return _launch(command, num_processes, placement or local_placement())
+
+
+def _command_line() -> argparse.Namespace:
+    """This process's command line (the one the launch re-runs), parsed as the CLI does."""
+    from equarx_serve.cli import build_parser
+
+    return build_parser().parse_args(sys.argv[1:])
+
+
+def _launch_on_emulated_hosts(command: str, num_processes: int, args: argparse.Namespace) -> int:
+    """The launch on `num_processes` emulated hosts joined by the --link, measured first; for
+    `serve`, --host/--port here forwarded to process 0's HTTP port inside host 0."""
+    from equarx_serve.cluster import Cluster
+    from equarx_serve.port_forward import forward_into
+
+    with Cluster(num_processes, links.link_from_args(args, processes=True)) as hosts:
+        print(hosts.measure_link().summary(), file=sys.stderr, flush=True)
+        placement = Placement(hosts.coordinator(), hosts.next_port(), hosts.command)
+        if command != "serve":
+            return _launch(command, num_processes, placement)
+        inside = hosts.next_port()  # free in host 0's fresh namespace, whatever --port is
+        with forward_into(hosts.namespace_path(0), inside, (args.host, args.port)) as address:
+            print(
+                f"serving on http://{address[0]}:{address[1]} (forwarded to 127.0.0.1:{inside} "
+                "in emulated host 0)",
+                file=sys.stderr,
+                flush=True,
+            )
+            http = ["--host", "127.0.0.1", "--port", str(inside)]
+            placement = dataclasses.replace(
+                placement, command=lambda i, argv: hosts.command(i, [*argv, *http])
+            )
+            return _launch(command, num_processes, placement)
+
+
+def _launch(command: str, num_processes: int, placement: Placement) -> int:
     from equarx_serve.generation.replicated import TOKEN_ENV
 
-    placement = placement or local_placement()
     argv = _member_argv(command)
     env = {**os.environ, TOKEN_ENV: secrets.token_hex(16)}
     flags = env.get("XLA_FLAGS", "").split()

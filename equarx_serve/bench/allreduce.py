@@ -1,9 +1,11 @@
 """`equarx-serve bench allreduce`: all-reduce methods side by side, per mesh and message size.
 
 For every mesh, `--devices N` (one process, N host CPU devices) or `--processes N` (N local
-processes, one CPU device each, jax.distributed over gloo), and every message size, one worker
-run (`allreduce_worker.py`, which documents exactly what is timed) measures all methods, in a
-fresh child process so that the device count can be set before JAX starts. Reported per row:
+processes, one CPU device each, jax.distributed over gloo; with `--link RATE`, on N emulated
+hosts joined by links of that rate, the link measured first: see `links.py`), and every message
+size, one worker run (`allreduce_worker.py`, which documents exactly what is timed) measures all
+methods, in a fresh child process so that the device count can be set before JAX starts.
+Reported per row:
 
   median ms     of the timed calls (p10 and p90 in the JSON), the slowest process's time
   speed-up      the baseline's median / this method's median, where the BASELINE is the
@@ -13,6 +15,11 @@ fresh child process so that the device count can be set before JAX starts. Repor
   wire MiB      bytes each device sends, counted from the compiled program's HLO
                 (`hlo_bytes.py`); flagged when it differs from the method's `wire_bytes` formula
   bytes ratio   wire bytes / the baseline's wire bytes
+  vs bytes      efficiency against the byte bound: speed-up / (1 / bytes ratio), where
+                1 / bytes ratio is the speed-up that the bytes saved alone would give; 1.0 when
+                a method beats the baseline exactly by the bytes it saves
+  vs link       with --link: efficiency against the link: the time the wire bytes need at
+                the MEASURED link rate / the median (1.0: as fast as the link allows)
   rel RMS, max  the output against an f32 all-reduce with an f32 output, over all devices:
                 ||y - ref|| / ||ref|| and max |y - ref|
   identical     whether every device's output has the same bits
@@ -31,8 +38,14 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from equarx_serve.bench import links
+from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
+
+if TYPE_CHECKING:
+    from equarx_serve.multiprocess import Hosts
 
 DEFAULT_SIZES = ("64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB")
 WORKER_TIMEOUT_S = 1800.0
@@ -77,6 +90,7 @@ class BenchConfig:
     json_path: Path | None = None
     plot_path: Path | None = None
     seed: int = 0
+    link: Link | None = None  # the processes' meshes on emulated hosts joined by this link
 
 
 def resolve_methods(methods: Sequence[MethodSpec] | None) -> list[dict[str, object]]:
@@ -96,9 +110,15 @@ def resolve_methods(methods: Sequence[MethodSpec] | None) -> list[dict[str, obje
 
 
 def _run_worker(
-    mode: str, n: int, size: int, methods: list[dict[str, object]], config: BenchConfig
+    mode: str,
+    n: int,
+    size: int,
+    methods: list[dict[str, object]],
+    config: BenchConfig,
+    hosts: Hosts | None,
 ) -> dict[str, object]:
-    """One worker run (N processes or one process with N devices); the parsed result."""
+    """One worker run (N processes, on `hosts` if given, or one process with N devices);
+    the parsed result."""
     from equarx_serve import multiprocess
     from equarx_serve.bench import allreduce_worker
 
@@ -107,7 +127,9 @@ def _run_worker(
         size, methods, devices=devices, repeats=config.repeats, seed=config.seed
     )
     if mode == "processes":
-        outputs = multiprocess.run_local_processes(command, n, timeout_s=WORKER_TIMEOUT_S)
+        outputs = multiprocess.run_local_processes(
+            command, n, timeout_s=WORKER_TIMEOUT_S, hosts=hosts
+        )
         return allreduce_worker.parse_result(outputs[0].stdout)
     done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
     if done.returncode != 0:
@@ -118,23 +140,33 @@ def _run_worker(
 
 
 def add_comparisons(result: dict[str, object]) -> None:
-    """Adds baseline, speedup, bytes_ratio and wire_match to every row of one worker result."""
+    """Adds baseline, speedup, bytes_ratio, byte_bound_efficiency, wire_match, and with a
+    measured link (result["link"]) link_ms and link_efficiency, to every row of one result."""
     rows = result["rows"]
     unquantized = [row for row in rows if not row["quantized"]]
     baseline = min(unquantized, key=lambda row: row["median_ms"], default=None)
     for row in rows:
         row["wire_match"] = row["wire_bytes_hlo_total"] == row["wire_bytes_formula"]
+        row["link_ms"] = links.link_time_ms(row["wire_bytes_hlo_total"], result.get("link"))
+        row["link_efficiency"] = None if row["link_ms"] is None else row["link_ms"] / row[
+            "median_ms"]  # fmt: skip
         row["baseline"] = row["speedup"] = row["bytes_ratio"] = None
+        row["byte_bound_efficiency"] = None
         if baseline is not None:
             row["baseline"] = baseline["label"]
             row["speedup"] = baseline["median_ms"] / row["median_ms"]
             row["bytes_ratio"] = row["wire_bytes_hlo_total"] / max(
                 baseline["wire_bytes_hlo_total"], 1
             )
+            row["byte_bound_efficiency"] = row["speedup"] * row["bytes_ratio"]
 
 
-def mesh_title(mode: str, n: int) -> str:
-    return f"{n} processes (gloo)" if mode == "processes" else f"{n} devices (1 process)"
+def mesh_title(mode: str, n: int, link: Link | None = None) -> str:
+    if mode == "devices":
+        return f"{n} devices (1 process)"
+    if link is None:
+        return f"{n} processes (gloo, loopback)"
+    return f"{n} emulated hosts (gloo over TCP, links of {link})"
 
 
 def _table_row(size: int, row: dict[str, object]) -> list[str]:
@@ -146,6 +178,9 @@ def _table_row(size: int, row: dict[str, object]) -> list[str]:
         "-" if row["speedup"] is None else f"{row['speedup']:.2f}x",
         f"{row['wire_bytes_hlo_total'] / 2**20:.3f}",
         "-" if row["bytes_ratio"] is None else f"{row['bytes_ratio']:.3f}",
+        percent(row["byte_bound_efficiency"]),
+        "-" if row["link_ms"] is None else f"{row['link_ms']:.3f}",
+        percent(row["link_efficiency"]),
         wire_match,
         f"{row['rel_rms']:.2e}",
         f"{row['max_abs']:.3g}",
@@ -153,17 +188,23 @@ def _table_row(size: int, row: dict[str, object]) -> list[str]:
     ]
 
 
-_HEADER = ["size", "method", "median ms", "speed-up", "wire MiB", "bytes ratio",
-           "HLO = formula", "rel RMS", "max abs", "identical"]  # fmt: skip
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
 
 
-def format_table(mode: str, n: int, results: Sequence[dict[str, object]]) -> str:
+_HEADER = ["size", "method", "median ms", "speed-up", "wire MiB", "bytes ratio", "vs bytes",
+           "link ms", "vs link", "HLO = formula", "rel RMS", "max abs", "identical"]  # fmt: skip
+
+
+def format_table(
+    mode: str, n: int, results: Sequence[dict[str, object]], link: Link | None = None
+) -> str:
     """The terminal table of one mesh's results (one per size); the baseline is marked *."""
     lines = [_HEADER] + [_table_row(r["size_bytes"], row) for r in results for row in r["rows"]]
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
     lines.insert(1, ["-" * w for w in widths])
     text = [
-        f"\n== all-reduce, {mesh_title(mode, n)}, bf16; "
+        f"\n== all-reduce, {mesh_title(mode, n, link)}, bf16; "
         "speed-up and bytes ratio vs the fastest unquantized method (*) =="
     ]
     for line in lines:
@@ -185,37 +226,46 @@ def format_table(mode: str, n: int, results: Sequence[dict[str, object]]) -> str
     return "\n".join(text)
 
 
-def write_plot(results: Sequence[dict[str, object]], path: Path) -> None:
-    """Speed-up vs message size (log x), one line per method, one panel per mesh, as PNG."""
+# What the plot shows, one row of panels each: (row field, y label, reference line).
+_PLOT_ROWS = (
+    ("speedup", "speed-up vs fastest unquantized", 1.0),
+    ("byte_bound_efficiency", "vs byte bound: speed-up x bytes ratio", 1.0),
+    ("link_efficiency", "vs link: link-limited time / time", 1.0),
+)
+
+
+def write_plot(results: Sequence[dict[str, object]], path: Path, link: Link | None) -> None:
+    """Per mesh (columns), against message size (log x), one line per method: the speed-up,
+    the efficiency against the byte bound and, with a link, against the link; as PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     meshes = list(dict.fromkeys((r["mode"], r["n"]) for r in results))
-    cols = min(3, len(meshes))
-    rows = -(-len(meshes) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.2 * rows), squeeze=False)
-    for ax, (mode, n) in zip(axes.flat, meshes, strict=False):
-        mine = [r for r in results if (r["mode"], r["n"]) == (mode, n)]
-        mine.sort(key=lambda r: r["size_bytes"])
-        speedups: dict[str, list[tuple[int, float]]] = {}
-        for r in mine:
-            for row in r["rows"]:
-                if row["speedup"] is not None:
-                    speedups.setdefault(row["label"], []).append((r["size_bytes"], row["speedup"]))
-        for label, points in speedups.items():
-            ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    plotted = [spec for spec in _PLOT_ROWS if any(
+        row[spec[0]] is not None for r in results for row in r["rows"])]  # fmt: skip
+    fig, axes = plt.subplots(len(plotted), len(meshes), squeeze=False,
+                             figsize=(6 * len(meshes), 3.8 * len(plotted)))  # fmt: skip
+    for col, (mode, n) in enumerate(meshes):
+        mine = sorted((r for r in results if (r["mode"], r["n"]) == (mode, n)),
+                      key=lambda r: r["size_bytes"])  # fmt: skip
         sizes = [r["size_bytes"] for r in mine]
-        ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sizes, [format_size(s) for s in sizes])
-        ax.set_xlabel("message size per device (bf16)")
-        ax.set_ylabel("speed-up vs fastest unquantized")
-        ax.set_title(mesh_title(mode, n))
-        ax.grid(True, alpha=0.3)
-    for ax in list(axes.flat)[len(meshes) :]:
-        ax.set_visible(False)
+        for ax, (field, ylabel, reference) in zip(axes[:, col], plotted, strict=True):
+            series: dict[str, list[tuple[int, float]]] = {}
+            for r in mine:
+                for row in r["rows"]:
+                    if row[field] is not None:
+                        series.setdefault(row["label"], []).append((r["size_bytes"], row[field]))
+            for label, points in series.items():
+                ax.plot(*zip(*points, strict=True), marker="o", label=label)
+            ax.axhline(reference, color="gray", linewidth=0.8, linestyle="--")
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sizes, [format_size(s) for s in sizes])
+            ax.set_xlabel("message size per device (bf16)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(mesh_title(mode, n, link if mode == "processes" else None), fontsize=9)
+            ax.grid(True, alpha=0.3)
     legend = {
         label: handle
         for ax in axes.flat
@@ -229,7 +279,8 @@ def write_plot(results: Sequence[dict[str, object]], path: Path) -> None:
 
 
 def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: Path) -> None:
-    """Every row, flattened with its mesh and size, plus the settings of the run."""
+    """Every row, flattened with its mesh and size, the link measured on each emulated mesh,
+    and the settings of the run."""
     import jax
 
     settings = {
@@ -243,6 +294,7 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
         "dtype": "bfloat16",
         "seed": config.seed,
         "baseline_rule": "fastest median among methods that do not quantize the message",
+        "link": None if config.link is None else dataclasses.asdict(config.link),
         "jax_version": jax.__version__,
         "python_version": platform.python_version(),
         "host_cpu_count": os.cpu_count(),
@@ -254,13 +306,37 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
         for r in results
         for row in r["rows"]
     ]
+    measured = {(r["mode"], r["n"]): r["link"] for r in results if r.get("link") is not None}
+    link_measurements = [{"mode": mode, "n": n} | m for (mode, n), m in measured.items()]
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1) + "\n")
+    document = {"settings": settings, "link_measurements": link_measurements, "rows": rows}
+    path.write_text(json.dumps(document, indent=1) + "\n")
+
+
+def _measure_mesh(
+    mode: str, n: int, methods: list[dict[str, object]], config: BenchConfig, bar
+) -> list[dict[str, object]]:
+    """Every size on one mesh (on emulated hosts when the config has a link, the link measured
+    first); one table printed. RuntimeError etc. when a worker or the cluster fails."""
+    link = config.link if mode == "processes" else None
+    mesh_results = []
+    with links.hosts_for(n, link) as (hosts, measurement):
+        for size in config.sizes:
+            bar.set_postfix_str(f"{mode}={n} {format_size(size)}")
+            result = _run_worker(mode, n, size, methods, config, hosts)
+            result["mode"] = mode
+            result["link"] = measurement
+            add_comparisons(result)
+            mesh_results.append(result)
+            bar.update(len(methods))
+    bar.write(format_table(mode, n, mesh_results, link))
+    return mesh_results
 
 
 def run(config: BenchConfig) -> int:
     """Measures every (mesh, size), prints one table per mesh, writes JSON/plot if asked.
-    Returns the exit code: 1 when a worker fails (its error is printed), else 0."""
+    Returns the exit code: 1 when a worker or the emulated cluster fails (its error is
+    printed), else 0."""
     from tqdm import tqdm
 
     methods = resolve_methods(config.methods)
@@ -268,25 +344,17 @@ def run(config: BenchConfig) -> int:
     total = len(config.meshes) * len(config.sizes) * len(methods)
     with tqdm(total=total, unit="method", desc="all-reduce bench") as bar:
         for mode, n in config.meshes:
-            mesh_results = []
-            for size in config.sizes:
-                bar.set_postfix_str(f"{mode}={n} {format_size(size)}")
-                try:
-                    result = _run_worker(mode, n, size, methods, config)
-                except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-                    bar.write(f"error: {mode}={n} {format_size(size)}: {e}", file=sys.stderr)
-                    return 1
-                result["mode"] = mode
-                add_comparisons(result)
-                mesh_results.append(result)
-                bar.update(len(methods))
-            bar.write(format_table(mode, n, mesh_results))
-            results += mesh_results
+            try:
+                results += _measure_mesh(mode, n, methods, config, bar)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+                link = config.link if mode == "processes" else None
+                bar.write(f"error: {mesh_title(mode, n, link)}: {e}", file=sys.stderr)
+                return 1
     if config.json_path:
         write_json(results, config, config.json_path)
         print(f"wrote {config.json_path}")
     if config.plot_path:
-        write_plot(results, config.plot_path)
+        write_plot(results, config.plot_path, config.link)
         print(f"wrote {config.plot_path}")
     return 0
 
@@ -354,16 +422,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every row here")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a speed-up plot (PNG)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input data")
+    links.add_arguments(parser, argument_type)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     meshes = [("devices", n) for n in args.devices] + [("processes", n) for n in args.processes]
+    meshes = list(dict.fromkeys(meshes)) or [("processes", 2)]
+    try:
+        link = links.link_from_args(args, processes=any(m == "processes" for m, _ in meshes))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     return BenchConfig(
-        meshes=tuple(dict.fromkeys(meshes)) or (("processes", 2),),
+        meshes=tuple(meshes),
         sizes=tuple(sorted(set(args.sizes))),
         methods=None if args.methods is None else tuple(args.methods),
         repeats=args.repeats,
         json_path=args.json,
         plot_path=args.plot,
         seed=args.seed,
+        link=link,
     )

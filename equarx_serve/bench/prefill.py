@@ -2,14 +2,22 @@
 
 For every sequence length, one worker run (`prefill_worker.py`, which documents exactly what
 is timed) loads the model (bf16 parameters), shards it over TP devices (one process with TP
-host CPU devices, or `--processes N`: N local processes over gloo, TP = N) and times the
-prefill of `batch` random prompts (logits at the last token) with every method, interleaved.
-Reported per row:
+host CPU devices, or `--processes N`: N local processes over gloo, TP = N; with `--link RATE`
+on N emulated hosts joined by links of that rate, the link measured first: see `links.py`) and
+times the prefill of `batch` random prompts (logits at the last token) with every method,
+interleaved. Reported per row:
 
   median ms     of the timed prefills (p10 and p90 too), the slowest process's time
-  speed-up      psum's median / this method's median
+  speed-up      the baseline's median / this method's median, where the BASELINE (*) is the
+                fastest unquantized method: the lowest median among the methods that do not
+                quantize this prefill's messages (psum, psum-f32, ring, or a gated one)
   AR share      MEASURED: (t_method - t_no_reduce) / t_method, where NO-REDUCE is the same
-                program with every all-reduce replaced by the identity (the compute alone)
+                program with every all-reduce replaced by the identity (the compute alone);
+                AR ms = t_method - t_no_reduce
+  vs bytes      efficiency against the byte bound: speed-up / the speed-up the bytes alone
+                would give, t_base / (t_no_reduce + AR ms of the baseline x bytes ratio), with
+                bytes ratio = wire bytes / the baseline's (the compute does not shrink)
+  vs link       with --link: the time the wire bytes need at the MEASURED link rate / AR ms
   gated         the method sent a message this size to plain psum (equarx-int8's
                 min_size_bytes gate; pass e.g. equarx-int8:min_size_bytes=0 to turn it off)
   wire MiB      bytes each device sends per prefill, from the compiled HLO (XLA:CPU widens
@@ -34,14 +42,21 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from equarx_serve.bench import links
 from equarx_serve.bench.allreduce import (
     UsageError,
     argument_type,
     int_at_least,
+    percent,
     resolve_methods,
 )
+from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
+
+if TYPE_CHECKING:
+    from equarx_serve.multiprocess import Hosts
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_SEQ_LENS = (128, 512, 2048)
@@ -88,6 +103,7 @@ class PrefillBenchConfig:
     # num_processes, one device per process; process 0 prints the tables and writes the files).
     coordinator: str | None = None
     process_id: int = 0
+    link: Link | None = None  # with processes: on emulated hosts joined by this link
 
 
 def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
@@ -109,10 +125,13 @@ def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
 
 
 def _run_worker(
-    seq_len: int, methods: list[dict[str, object]], config: PrefillBenchConfig
+    seq_len: int,
+    methods: list[dict[str, object]],
+    config: PrefillBenchConfig,
+    hosts: Hosts | None = None,
 ) -> dict[str, object] | None:
-    """One worker run for one sequence length; the parsed result (None on a multi-host
-    process other than 0, which reports nothing)."""
+    """One worker run for one sequence length (--processes on `hosts` if given); the parsed
+    result (None on a multi-host process other than 0, which reports nothing)."""
     from equarx_serve import multiprocess
     from equarx_serve.bench import prefill_worker
 
@@ -132,7 +151,7 @@ def _run_worker(
         command += ["--process-id", str(config.process_id)]
     elif config.processes:
         outputs = multiprocess.run_local_processes(
-            command, config.processes, timeout_s=WORKER_TIMEOUT_S
+            command, config.processes, timeout_s=WORKER_TIMEOUT_S, hosts=hosts
         )
         return prefill_worker.parse_result(outputs[0].stdout)
     done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
@@ -144,28 +163,42 @@ def _run_worker(
 
 
 def add_comparisons(result: dict[str, object]) -> None:
-    """Adds speedup (vs psum), ar_share and the PROJECTION to every row of one result."""
+    """Adds the baseline, speedup, ar_share, ar_ms, byte_bound_efficiency, link_ms and
+    link_efficiency (None without a measured link, result["link"]) and the PROJECTION (vs
+    psum) to every row of one result."""
     rows = result["rows"]
     t_none = result["no_reduce"]["median_ms"]
-    base = next(row for row in rows if row["label"] == BASELINE)
-    base_proj = {
-        link: t_none + base["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3
-        for link, spec in LINKS.items()
-    }
+    unquantized = [row for row in rows if not row["quantized"]]
+    baseline = min(unquantized, key=lambda row: row["median_ms"])  # psum is always measured
+    ar_base = baseline["median_ms"] - t_none
     for row in rows:
-        row["speedup_vs_psum"] = base["median_ms"] / row["median_ms"]
-        row["ar_share"] = (row["median_ms"] - t_none) / row["median_ms"]
+        row["baseline"] = baseline["label"]
+        row["speedup"] = baseline["median_ms"] / row["median_ms"]
         row["ar_ms"] = row["median_ms"] - t_none
-        projection = {}
-        for link, spec in LINKS.items():
-            t_proj = t_none + row["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3
-            projection[link] = {
-                "comm_ms": row["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3,
-                "t_proj_ms": t_proj,
-                "speedup_vs_psum": base_proj[link] / t_proj,
-                "share": (t_proj - t_none) / t_proj,
-            }
-        row["PROJECTION"] = projection
+        row["ar_share"] = row["ar_ms"] / row["median_ms"]
+        bytes_ratio = row["wire_bytes_hlo_total"] / baseline["wire_bytes_hlo_total"]
+        t_byte_bound = t_none + ar_base * bytes_ratio
+        row["byte_bound_efficiency"] = row["speedup"] / (baseline["median_ms"] / t_byte_bound)
+        row["link_ms"] = links.link_time_ms(row["wire_bytes_hlo_total"], result.get("link"))
+        measurable = row["link_ms"] is not None and row["ar_ms"] > 0
+        row["link_efficiency"] = row["link_ms"] / row["ar_ms"] if measurable else None
+        row["PROJECTION"] = _projection(row, rows, t_none)
+
+
+def _projection(row: dict, rows: list[dict], t_none: float) -> dict[str, dict[str, float]]:
+    """t_proj per link in LINKS (see the module doc), with its speed-up over psum's t_proj."""
+    psum = next(r for r in rows if r["label"] == BASELINE)
+    projection = {}
+    for link, spec in LINKS.items():
+        comm_ms = row["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3
+        psum_ms = t_none + psum["wire_bytes_projection"] / spec["bytes_per_s"] * 1e3
+        projection[link] = {
+            "comm_ms": comm_ms,
+            "t_proj_ms": t_none + comm_ms,
+            "speedup_vs_psum": psum_ms / (t_none + comm_ms),
+            "share": comm_ms / (t_none + comm_ms),
+        }
+    return projection
 
 
 def _format(lines: list[list[str]], left: int = 2) -> list[str]:
@@ -187,8 +220,11 @@ def _mode(config: PrefillBenchConfig) -> str:
 def mesh_title(config: PrefillBenchConfig) -> str:
     if config.coordinator:
         return f"TP={config.tp} over {config.tp} processes (gloo, coordinator {config.coordinator})"
+    if config.processes and config.link:
+        return (f"TP={config.processes} over {config.processes} emulated hosts (gloo over TCP, "
+                f"links of {config.link})")  # fmt: skip
     if config.processes:
-        return f"TP={config.processes} over {config.processes} processes (gloo)"
+        return f"TP={config.processes} over {config.processes} processes (gloo, loopback)"
     return f"TP={config.tp} over {config.tp} devices (1 process)"
 
 
@@ -197,27 +233,33 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
     first = results[0]
     text = [
         f"\n== prefill, {config.model} ({first['dtype']}), {mesh_title(config)}, "
-        f"batch {config.batch}, last-token logits; MEASURED on CPU =="
+        f"batch {config.batch}, last-token logits; MEASURED on CPU; speed-up vs the fastest "
+        "unquantized method (*) =="
     ]
-    header = ["seq", "method", "median ms", "p10-p90 ms", "vs psum", "AR share", "AR ms",
-              "wire MiB/dev", "reductions", "HLO collectives", "logits relRMS",
-              "top-1"]  # fmt: skip
+    header = ["seq", "method", "median ms", "p10-p90 ms", "speed-up", "AR share", "AR ms",
+              "wire MiB/dev", "vs bytes", "link ms", "vs link", "reductions",
+              "HLO collectives", "logits relRMS", "top-1"]  # fmt: skip
     lines = [header]
     for r in results:
         for row in r["rows"]:
-            label = row["label"] + (" (GATED->psum)" if row["gated"] else "")
+            label = row["label"] + ("*" if row["label"] == row["baseline"] else "")
+            label += " (GATED->psum)" if row["gated"] else ""
             hlo = ", ".join(f"{n} {k}" for k, n in sorted(row["hlo_collectives"].items()))
             lines.append([
                 str(r["seq_len"]), label, f"{row['median_ms']:.1f}",
-                f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}", f"{row['speedup_vs_psum']:.3f}x",
+                f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}", f"{row['speedup']:.3f}x",
                 f"{100 * row['ar_share']:.1f}%", f"{row['ar_ms']:.1f}",
-                f"{row['wire_bytes_hlo_total'] / 2**20:.2f}", str(row["num_reductions"]), hlo,
+                f"{row['wire_bytes_hlo_total'] / 2**20:.2f}",
+                percent(row["byte_bound_efficiency"]),
+                "-" if row["link_ms"] is None else f"{row['link_ms']:.1f}",
+                percent(row["link_efficiency"]), str(row["num_reductions"]), hlo,
                 f"{row['logits_rel_rms_vs_first']:.2e}", f"{row['top1_agree_vs_first']:.2f}",
             ])  # fmt: skip
         nr = r["no_reduce"]
         lines.append([
             str(r["seq_len"]), "(no-reduce: compute only)", f"{nr['median_ms']:.1f}",
-            f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "0", "0", "", "", "",
+            f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "0", "", "", "", "0", "", "",
+            "",
         ])  # fmt: skip
     text += _format(lines)
     gated = sorted({row["label"] for r in results for row in r["rows"] if row["gated"]})
@@ -254,21 +296,30 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
 
 
 def write_plot(results: Sequence[dict[str, object]], path: Path) -> None:
-    """Latency vs sequence length per method (and no-reduce), and the all-reduce share."""
+    """Against sequence length, per method: latency (and no-reduce's), the all-reduce share,
+    and the efficiencies against the byte bound (solid) and, with a link, the link (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     seq = [r["seq_len"] for r in results]
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax_t, ax_s, ax_e) = plt.subplots(1, 3, figsize=(18, 4.5))
     for label in [row["label"] for row in results[0]["rows"]]:
         rows = [next(row for row in r["rows"] if row["label"] == label) for r in results]
-        ax_t.plot(seq, [row["median_ms"] for row in rows], marker="o", label=label)
+        line = ax_t.plot(seq, [row["median_ms"] for row in rows], marker="o", label=label)[0]
         ax_s.plot(seq, [100 * row["ar_share"] for row in rows], marker="o", label=label)
+        ax_e.plot(seq, [100 * row["byte_bound_efficiency"] for row in rows], marker="o",
+                  color=line.get_color(), label=f"{label} vs bytes")  # fmt: skip
+        if any(row["link_efficiency"] is not None for row in rows):
+            link_efficiency = [row["link_efficiency"] for row in rows]
+            ax_e.plot(seq, [None if e is None else 100 * e for e in link_efficiency],
+                      marker="s", linestyle="--", color=line.get_color(),
+                      label=f"{label} vs link")  # fmt: skip
     ax_t.plot(seq, [r["no_reduce"]["median_ms"] for r in results], marker="x", linestyle="--",
               color="gray", label="no-reduce (compute only)")  # fmt: skip
-    for ax in (ax_t, ax_s):
+    ax_e.set_ylabel("efficiency, % (vs byte bound; vs link)")
+    for ax in (ax_t, ax_s, ax_e):
         ax.set_xscale("log", base=2)
         ax.set_xticks(seq, [str(s) for s in seq])
         ax.set_xlabel("prompt length (tokens)")
@@ -305,7 +356,9 @@ def write_json(
             {"label": row["label"], "name": row["name"], "options": row["options"]}
             for row in first["rows"]
         ],
-        "baseline": BASELINE,
+        "baseline_rule": "fastest median among methods that do not quantize the messages",
+        "projection_baseline": BASELINE,
+        "link": None if config.link is None else dataclasses.asdict(config.link),
         "repeats": "adaptive" if config.repeats is None else config.repeats,
         "seed": config.seed,
         "links": LINKS,
@@ -320,29 +373,22 @@ def write_json(
         common = {k: r[k] for k in ("seq_len", "bucket", "repeats", "message_bytes")}
         rows += [common | row for row in r["rows"]]
         runs.append({k: v for k, v in r.items() if k not in ("rows", "model_info")})
+    document = {"settings": settings, "link_measurement": first.get("link"), "rows": rows,
+                "runs": runs}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": settings, "rows": rows, "runs": runs}, indent=1) + "\n")
+    path.write_text(json.dumps(document, indent=1) + "\n")
 
 
 def run(config: PrefillBenchConfig) -> int:
     """Measures every sequence length, prints the tables, writes JSON/plot if asked.
-    Returns the exit code: 1 when a worker fails (its error is printed), else 0."""
-    from tqdm import tqdm
-
+    Returns the exit code: 1 when a worker or the emulated cluster fails (its error is
+    printed), else 0."""
     methods = _validate(config)
-    results: list[dict[str, object]] = []
-    with tqdm(total=len(config.seq_lens), unit="seq len", desc="prefill bench") as bar:
-        for seq_len in config.seq_lens:
-            bar.set_postfix_str(f"seq {seq_len}")
-            try:
-                result = _run_worker(seq_len, methods, config)
-            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
-                bar.write(f"error: seq {seq_len}: {e}", file=sys.stderr)
-                return 1
-            bar.update(1)
-            if result is not None:
-                add_comparisons(result)
-                results.append(result)
+    try:
+        results = _measure(methods, config)
+    except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not results:
         print(f"process {config.process_id}: done; process 0 prints the results")
         return 0
@@ -354,6 +400,32 @@ def run(config: PrefillBenchConfig) -> int:
         write_plot(results, config.plot_path)
         print(f"wrote {config.plot_path}")
     return 0
+
+
+def _measure(
+    methods: list[dict[str, object]], config: PrefillBenchConfig
+) -> list[dict[str, object]]:
+    """Every sequence length (on emulated hosts with a link, measured first); the results of
+    process 0 (none on the other processes of a multi-host run)."""
+    from tqdm import tqdm
+
+    results = []
+    with (
+        links.hosts_for(config.processes, config.link) as (hosts, measurement),
+        tqdm(total=len(config.seq_lens), unit="seq len", desc="prefill bench") as bar,
+    ):
+        for seq_len in config.seq_lens:
+            bar.set_postfix_str(f"seq {seq_len}")
+            try:
+                result = _run_worker(seq_len, methods, config, hosts)
+            except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as e:
+                raise type(e)(f"seq {seq_len}: {e}") from e
+            bar.update(1)
+            if result is not None:
+                result["link"] = measurement
+                add_comparisons(result)
+                results.append(result)
+    return results
 
 
 def _seq_len(text: str) -> int:
@@ -409,6 +481,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every number here")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a latency plot (PNG)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    links.add_arguments(parser, argument_type)
     hosts = parser.add_argument_group(
         "several hosts", "run the same command on every host, each with its own --process-id"
     )
@@ -428,6 +501,10 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         raise UsageError(f"--process-id must be < --num-processes ({args.num_processes})")
     if args.processes and args.tp not in (None, args.processes):
         raise UsageError(f"--tp {args.tp} conflicts with --processes {args.processes} (TP = N)")
+    try:
+        link = links.link_from_args(args, processes=bool(args.processes))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     methods = [parse_method(m) for m in DEFAULT_METHODS]
     labels = {m.label for m in methods}
     methods += [m for m in args.methods if m.label not in labels]
@@ -444,6 +521,7 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         json_path=args.json,
         plot_path=args.plot,
         seed=args.seed,
+        link=link,
         coordinator=args.coordinator,
         process_id=args.process_id,
     )

@@ -146,6 +146,7 @@ def measure(
             "name": ar.name,
             "options": ar.options(),
             "gated": ar.is_gated(num_elements, base.dtype),
+            "quantized": ar.quantizes(num_elements, base.dtype),
             "compile_s": compile_s,
             "num_reductions": 0 if label == NO_REDUCE else num_reductions,
             "hlo_collectives": _collective_counts(hlo),

@@ -1,0 +1,118 @@
+"""`equarx-serve bench allreduce`: the comparisons, the --link options, and short end-to-end runs
+over loopback and (as root) on emulated hosts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cluster_helpers import needs_root
+
+from equarx_serve import cli, cluster
+from equarx_serve.bench import allreduce
+
+MIB = 1 << 20
+
+
+def _row(label: str, quantized: bool, median_ms: float, wire_bytes: int) -> dict[str, object]:
+    return {
+        "label": label,
+        "quantized": quantized,
+        "median_ms": median_ms,
+        "wire_bytes_hlo_total": wire_bytes,
+        "wire_bytes_formula": wire_bytes,
+    }
+
+
+def test_comparisons_against_the_fastest_unquantized_method_and_the_measured_link():
+    result = {
+        "rows": [
+            _row("psum", False, 100.0, 8 * MIB),
+            _row("ring", False, 80.0, 4 * MIB),
+            _row("equarx-int8", True, 40.0, 2 * MIB),
+            _row("fast-but-lossy", True, 10.0, 1 * MIB),  # quantized: never the baseline
+        ],
+        "link": {"measured_bits_per_s": 0.8e9},
+    }
+    allreduce.add_comparisons(result)
+    rows = {row["label"]: row for row in result["rows"]}
+    assert {row["baseline"] for row in rows.values()} == {"ring"}
+    eq = rows["equarx-int8"]
+    assert eq["speedup"] == pytest.approx(2.0)  # 80 / 40
+    assert eq["bytes_ratio"] == pytest.approx(0.5)
+    assert eq["byte_bound_efficiency"] == pytest.approx(1.0)  # 2x faster for half the bytes
+    # 2 MiB at 0.8 Gbit/s: 2 * 2**20 * 8 / 0.8e9 s = 20.97 ms, of 40 ms measured
+    assert eq["link_ms"] == pytest.approx(20.97152)
+    assert eq["link_efficiency"] == pytest.approx(20.97152 / 40)
+    assert rows["psum"]["byte_bound_efficiency"] == pytest.approx(0.8 * 2.0)
+    assert rows["ring"]["speedup"] == rows["ring"]["byte_bound_efficiency"] == 1.0
+
+
+def test_comparisons_without_a_link_have_no_link_efficiency():
+    result = {"rows": [_row("psum", False, 10.0, MIB), _row("equarx-int8", True, 5.0, MIB // 4)]}
+    allreduce.add_comparisons(result)
+    for row in result["rows"]:
+        assert row["link_ms"] is None and row["link_efficiency"] is None
+    assert result["rows"][1]["byte_bound_efficiency"] == pytest.approx(2.0 / 4)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--devices", "2", "--link", "1gbit"], "--link emulates hosts for the processes"),
+        (["--link-delay", "1ms"], "--link-delay needs --link"),
+        (["--link", "fast"], "invalid link rate 'fast'"),
+        (["--link", "1gbit", "--link-delay", "soon"], "invalid delay 'soon'"),
+    ],
+)
+def test_bad_link_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "allreduce", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_link_without_root_exits_2_before_running_anything(monkeypatch, capsys):
+    monkeypatch.setattr(cluster, "_proc_status_field", lambda name: "0")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "allreduce", "--processes", "2", "--link", "1gbit"])
+    assert e.value.code == 2
+    assert "need root" in capsys.readouterr().err
+
+
+def _bench(tmp_path, *extra: str) -> dict[str, object]:
+    path = tmp_path / "allreduce.json"
+    argv = ["bench", "allreduce", "--processes", "2", "--sizes", "256KiB", "--repeats", "1"]
+    argv += ["--methods", "psum", "ring", "equarx-int8:min_size_bytes=0", "--json", str(path)]
+    assert cli.main([*argv, "--plot", str(tmp_path / "allreduce.png"), *extra]) == 0
+    assert (tmp_path / "allreduce.png").stat().st_size > 0
+    return json.loads(path.read_text())
+
+
+def test_loopback_run_reports_efficiency_against_the_byte_bound(tmp_path):
+    report = _bench(tmp_path)
+    assert report["settings"]["link"] is None and report["link_measurements"] == []
+    for row in report["rows"]:
+        assert row["link_ms"] is None and row["link_efficiency"] is None
+        assert row["byte_bound_efficiency"] == pytest.approx(row["speedup"] * row["bytes_ratio"])
+        assert row["identical"]
+    assert {row["label"]: row["quantized"] for row in report["rows"]} == {
+        "psum": False, "ring": False, "equarx-int8:min_size_bytes=0": True,
+    }  # fmt: skip
+
+
+@needs_root
+def test_emulated_hosts_run_measures_the_link_first(tmp_path, capsys):
+    report = _bench(tmp_path, "--link", "1gbit")
+    out = capsys.readouterr().out
+    assert "link: configured 1 Gbit/s each way; measured TCP goodput" in out
+    assert "2 emulated hosts (gloo over TCP, links of 1 Gbit/s each way)" in out
+    assert report["settings"]["link"] == {"rate_bits_per_s": 10**9, "delay_us": 0}
+    (measurement,) = report["link_measurements"]
+    assert measurement["n"] == 2 and measurement["measured_bits_per_s"] > 0
+    for row in report["rows"]:
+        expected_ms = 8 * row["wire_bytes_hlo_total"] / measurement["measured_bits_per_s"] * 1e3
+        assert row["link_ms"] == pytest.approx(expected_ms)
+        assert row["link_efficiency"] == pytest.approx(row["link_ms"] / row["median_ms"])
+        assert row["identical"]
