@@ -3,11 +3,12 @@
     python -m equarx_serve.serve_bench [--model gemma3-270m] [--tp 2] [--processes 2]
         [--methods psum equarx-int8] [--ttft-tokens 2000] [--ttft-repeats 5]
         [--clients 1 4 16] [--load-method M] [--requests-per-client 4] [--max-tokens 16]
-        [--json PATH]
+        [--link RATE [--link-delay D]] [--json PATH]
 
 For each all-reduce in --methods, one `equarx-serve serve` is started (its own process group;
-with --processes N, N local processes joined by gloo over loopback), waited for (/health), then
-measured, then stopped with SIGTERM:
+with --processes N, N local processes joined by gloo over loopback, or with --link RATE on
+emulated hosts joined by links of that rate, root only, see `equarx_serve/cluster.py`), waited
+for (/health), then measured, then stopped with SIGTERM:
 
 1. Time to first token of a long prompt: a streamed completion (`max_tokens` 2, greedy) of
    --ttft-tokens tokens of text (CPython's reference, cut with the model's tokenizer): one
@@ -72,15 +73,25 @@ class LoadLevel:
     completion_tokens: int
 
 
-@contextlib.contextmanager
-def running_server(args: argparse.Namespace, method: str) -> Iterator[str]:
-    """An `equarx-serve serve` for `method`, healthy; yields its base URL."""
-    port = free_port()
+def server_command(args: argparse.Namespace, method: str, port: int) -> list[str]:
+    """The `equarx-serve serve` command line for `method` on `port`."""
     command = [sys.executable, "-m", "equarx_serve", "serve", "--model", args.model]
     command += ["--tp", str(args.tp), "--all-reduce", method, "--port", str(port)]
     command += ["--max-length", str(args.max_length), "--log-level", "warning"]
     if args.processes:
         command += ["--processes", str(args.processes)]
+    if args.link:
+        command += ["--link", args.link]
+    if args.link_delay:
+        command += ["--link-delay", args.link_delay]
+    return command
+
+
+@contextlib.contextmanager
+def running_server(args: argparse.Namespace, method: str) -> Iterator[str]:
+    """An `equarx-serve serve` for `method`, healthy; yields its base URL."""
+    port = free_port()
+    command = server_command(args, method, port)
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     server = subprocess.Popen(command, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -303,8 +314,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--load-method", help="the method measured under load (default: last)")
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--link", metavar="RATE", help="emulated hosts on links of RATE (root)")
+    parser.add_argument("--link-delay", metavar="D", help="one-way delay of every link")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if (args.link or args.link_delay) and args.processes < 2:
+        parser.error("--link and --link-delay need --processes 2 or more")
+    if args.link_delay and not args.link:
+        parser.error("--link-delay needs --link")
     result = run(args)
     print(format_summary(result))
     if args.json:

@@ -3,6 +3,7 @@ official OpenAI client's load and time-to-first-token paths, and the summary."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import threading
 
@@ -57,3 +58,30 @@ def test_time_to_first_token_and_summary(url):
         "load": [],
     }
     assert "`equarx-int8` / `psum` TTFT: 0.500x" in serve_bench.format_summary(result)
+
+
+def _parsed_args(monkeypatch, argv: list[str]) -> argparse.Namespace:
+    """serve_bench's arguments as main() parses and checks them (nothing is run)."""
+    parsed = []
+    monkeypatch.setattr(serve_bench, "run", lambda args: parsed.append(args) or {})
+    monkeypatch.setattr(serve_bench, "format_summary", lambda result: "")
+    serve_bench.main(argv)
+    return parsed[0]
+
+
+def test_servers_run_on_emulated_links_when_asked(monkeypatch):
+    args = _parsed_args(monkeypatch, ["--processes", "2", "--link", "1gbit", "--link-delay", "1ms"])
+    command = serve_bench.server_command(args, "psum", 8000)
+    assert command[command.index("--processes") + 1] == "2"
+    assert command[command.index("--link") + 1] == "1gbit"
+    assert command[command.index("--link-delay") + 1] == "1ms"
+    loopback = serve_bench.server_command(_parsed_args(monkeypatch, []), "psum", 8000)
+    assert "--link" not in loopback and "--link-delay" not in loopback
+
+
+@pytest.mark.parametrize("argv", [["--processes", "0", "--link", "1gbit"], ["--link-delay", "1ms"]])
+def test_link_options_are_checked(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve_bench.main(argv)
+    assert exit_info.value.code == 2
+    assert "--link" in capsys.readouterr().err
