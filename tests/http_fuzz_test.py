@@ -25,7 +25,9 @@ from equarx_serve.server import create_app
 from equarx_serve.server_settings import HTTPSettings
 
 MODEL = "tiny"
-MAX_LENGTH = 128
+# As the engines of server_test.py and server_hardening_test.py: the same programs, so each is
+# compiled once per session (the compilation cache in conftest.py).
+MAX_LENGTH = 256
 MAX_PROMPT = 64
 BODY_LIMIT = 16 << 10
 # Cases per test, sized for `make test`; the "explore" profile (named as in
