@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
+
 from equarx_serve.devices import set_host_device_count
 
 # Must happen before jax is imported anywhere: 8 host devices for meshes of 2, 4 and 8.
 set_host_device_count(8)
+
+# The suite compiles the same XLA programs many times over: every tiny engine's init and steps
+# (one engine per test module), every `serve` subprocess's. JAX's persistent compilation cache,
+# in a folder of this session's own (so each run, like a fresh clone, compiles everything once)
+# and inherited by the subprocesses through the environment, compiles each program once. The
+# executables are the same; what the tests check is not changed. An existing setting is kept.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="equarx-test-xla-cache-")
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import functools  # noqa: E402
 
