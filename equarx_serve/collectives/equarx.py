@@ -2,9 +2,10 @@
 
 Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
   1. Size gate: messages smaller than `min_size_bytes` use `lax.psum` (quantizing cannot pay).
-  2. Flatten; rotate every group of `rotation_block` elements (default: the block size) with
-     an orthonormal Hadamard transform (`rotation="hadamard"`, the default; in f32), pad to
-     whole blocks and chunks, cut into `[directions, num_slices, N, rows, B]` lanes (`ring.py`).
+  2. Flatten, pad to whole blocks and chunks, cut into `[directions, num_slices, N, rows, B]`
+     lanes (`ring.py`; each lane a contiguous run of whole rotation groups); rotate every group
+     of `rotation_block` elements (default: the block size) of each lane with an orthonormal
+     Hadamard transform (`rotation="hadamard"`, the default; f32 result).
   3. Quantize blocks of B elements (default 64): int8 values plus one scale per block
      (symmetric absmax, round to nearest, clamp to [-127, 127], floored; f32, or bf16 rounded
      up with `scale_dtype="bfloat16"`). Every receiver dequantizes and accumulates in f32;
@@ -22,8 +23,11 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
      In the all-gathers each owner quantizes its reduced chunk once and the int8 payload is
      forwarded unchanged; every device, the owner too, dequantizes the same bytes, so all
      replicas are bit-identical (in one-shot every device sums the same payloads in the same
-     order).
-  4. Crop, rotate back (the transform is its own inverse), cast back to the input dtype.
+     order). One-shot and two-shot's all-gather are one `lax.all_gather` per lane (gloo/NCCL),
+     the f32 scales bit-cast into the same buffer as the int8 values; the ring schedule stays
+     a ring of `ppermute`s (every transfer to a neighbour).
+  4. Rotate each reduced lane back (the transform is its own inverse), cast back to the input
+     dtype, crop.
 
 Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
 rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`

@@ -1,11 +1,13 @@
-"""Pipelined ring all-reduce over `ppermute`, generic in what goes on the wire.
+"""Pipelined all-reduce over `ppermute` and `all_gather`, generic in what goes on the wire.
 
 The message (flattened, padded) is laid out as lanes `[D, S, N, R, B]`: D directions (1, or 2
 when bidirectional: lane d=0 travels i -> i+1, d=1 travels i -> i-1), S pipeline slices, N
 chunks (one per device), R rows of B elements. Every (direction, slice) lane is an independent
-all-reduce of `N*R*B` elements; the program is emitted step-major, so while slice s is on the
-wire, slice s+1 is being encoded: the slices form a software pipeline that XLA's scheduler is
-free to overlap.
+all-reduce of `N*R*B` elements, a contiguous run of the flat message; the program is emitted
+step-major, so while slice s is on the wire, slice s+1 is being encoded: the slices form a
+software pipeline that XLA's scheduler is free to overlap. Optional per-lane transforms
+(`prepare` before encoding, `finish` after decoding: the Hadamard rotation and its inverse)
+pipeline with them.
 
 Two reduce-scatters:
   ring      (N-1 hops) device i sends the running partial sum of chunk i - s*dir at step s;
@@ -14,16 +16,25 @@ Two reduce-scatters:
   two-shot  each device encodes its contribution once and sends chunk j straight to device j
             (N-1 shifted ppermutes); the owner sums its own exact contribution and the N-1
             decoded ones in f32. Device i owns chunk i. Each element is encoded exactly twice.
-Then a ring all-gather (N-1 hops): each owner encodes its reduced chunk once; the payload is
-forwarded unchanged, and every device, the owner included, decodes the same bytes, so all
-replicas are bit-identical.
+Then an all-gather: each owner encodes its reduced chunk once; the payload travels unchanged,
+and every device, the owner included, decodes the same bytes, so all replicas are
+bit-identical. After two-shot (owners in rank order) it is one `lax.all_gather` per lane (gloo's
+all-gather on CPU, NCCL's on GPU), the values and scales packed into one buffer; after the ring
+reduce-scatter it is a ring of N-1 `ppermute` hops, so that every transfer stays between
+neighbours (a physical ring: the TPU ICI torus).
 
 A third schedule needs no reduce-scatter:
-  one-shot  each device encodes its whole lane once and sends it to every other device (N-1
-            shifted ppermutes); every device decodes all N payloads, its own included, and sums
-            them in f32 in rank order, so replicas are bit-identical. Each element is encoded
-            once. One step instead of two, and at N = 2 the same bytes as the others; at
-            N > 2 it sends N/2 times their bytes.
+  one-shot  each device encodes its whole lane once and all-gathers it (one collective per
+            lane); every device decodes all N payloads, its own included, and adds them in f32
+            in rank order, so replicas are bit-identical. Each element is encoded once. One
+            step instead of two, and at N = 2 the same bytes as the others; at N > 2 it sends
+            N/2 times their bytes.
+
+Why all-gathers: on XLA:CPU a collective-permute is one unbound send and one receive, waited
+on together, and its two directions do not overlap on the wire (a 4 MiB exchange over a
+1 Gbit/s link: 48-67 ms, 53-73% of the link), while gloo's all-gather moves 4 MiB in ~50 ms
+(~70%); and one collective per lane instead of one per payload array saves the ~20 ms that a
+small collective after a large one costs there.
 
 Bytes each device sends, for E encoded bytes per element: 2 (N-1) R B D S * E for ring and
 two-shot, (N-1) N R B D S * E for one-shot. `schedule="auto"` (`RingAllReduce.schedule_for`)
