@@ -151,8 +151,12 @@ class EquarxInt8(RingAllReduce):
     # instead of twice), two-shot over more (the ring's bytes, error that does not grow with
     # N); "ring" keeps every transfer to a neighbour (TPU torus). See ring.py.
     schedule: Literal["auto", "ring", "two-shot", "one-shot"] = "auto"
-    # More lanes (pipelining) measured slower on CPU (more, smaller ops and collectives on 2
-    # cores); on accelerators with async collectives try bidirectional=True, num_slices=2-4.
+    # Pipelining (num_slices lanes, each rotated, quantized, all-gathered and summed on its
+    # own): on loopback more lanes measured slower (more, smaller ops and collectives on 2
+    # cores); on 2 emulated hosts at 1 Gbit/s (16 MiB, 2 shared cores) 1, 2 and 4 slices were
+    # within the run-to-run noise (+-30%): XLA:CPU overlaps a gloo collective with independent
+    # compute only partly. Default 1 for CPU hosts; on accelerators with async collectives try
+    # num_slices=2-4 (and bidirectional=True with schedule="ring").
     bidirectional: bool = False
     num_slices: int = 1
     min_size_bytes: int = DEFAULT_MIN_SIZE_BYTES
