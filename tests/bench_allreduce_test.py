@@ -10,6 +10,7 @@ from cluster_helpers import needs_root
 
 from equarx_serve import cli, cluster
 from equarx_serve.bench import allreduce
+from equarx_serve.collectives.registry import parse_method
 
 MIB = 1 << 20
 
@@ -91,15 +92,48 @@ def _bench(tmp_path, *extra: str) -> dict[str, object]:
 
 
 def test_loopback_run_reports_efficiency_against_the_byte_bound(tmp_path):
-    report = _bench(tmp_path)
+    report = _bench(tmp_path, "--pre-rotated")
     assert report["settings"]["link"] is None and report["link_measurements"] == []
     for row in report["rows"]:
         assert row["link_ms"] is None and row["link_efficiency"] is None
         assert row["byte_bound_efficiency"] == pytest.approx(row["speedup"] * row["bytes_ratio"])
         assert row["identical"]
-    assert {row["label"]: row["quantized"] for row in report["rows"]} == {
+    rows = {row["label"]: row for row in report["rows"]}
+    assert {label: row["quantized"] for label, row in rows.items()} == {
         "psum": False, "ring": False, "equarx-int8:min_size_bytes=0": True,
+        "equarx-int8:min_size_bytes=0 [pre-rotated input]": True,
     }  # fmt: skip
+    # The model's form sends the same bytes, with the error of the same codec.
+    standalone, folded = rows["equarx-int8:min_size_bytes=0"], rows[PRE_ROTATED]
+    assert folded["rotated_input"] and not standalone["rotated_input"]
+    assert folded["wire_bytes_hlo_total"] == standalone["wire_bytes_hlo_total"]
+    assert 0 < folded["rel_rms"] < 2 * standalone["rel_rms"]
+
+
+PRE_ROTATED = "equarx-int8:min_size_bytes=0" + allreduce.PRE_ROTATED_SUFFIX
+
+
+def test_pre_rotated_adds_a_row_for_each_method_with_a_foldable_rotation():
+    specs = [parse_method(m) for m in ("ring", "equarx-int8", "equarx-int8:rotation=none")]
+    methods = allreduce.resolve_methods(specs, pre_rotated=True, sizes=[MIB])
+    assert [(m["label"], m["rotated_input"]) for m in methods] == [
+        ("ring", False), ("equarx-int8", False),
+        ("equarx-int8" + allreduce.PRE_ROTATED_SUFFIX, True),
+        ("equarx-int8:rotation=none", False),
+    ]  # fmt: skip
+    assert [m["rotated_input"] for m in allreduce.resolve_methods(specs)] == [False] * 3
+
+
+@pytest.mark.parametrize(
+    ("methods", "sizes", "message"),
+    [
+        (["ring", "equarx-int8:rotation=none"], [MIB], "no method given has a foldable"),
+        (["equarx-int8"], [MIB, 96], "96B do not hold whole groups"),  # 48 elements, block 64
+    ],
+)
+def test_pre_rotated_rejects_what_it_cannot_time(methods, sizes, message):
+    with pytest.raises(allreduce.UsageError, match=message):
+        allreduce.resolve_methods([parse_method(m) for m in methods], pre_rotated=True, sizes=sizes)
 
 
 @needs_root

@@ -28,6 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from equarx_serve.bench.hlo_bytes import collective_wire_bytes
 from equarx_serve.collectives import (
     AllReduce,
     get_all_reduce,
@@ -534,7 +535,9 @@ def test_an_axis_not_in_the_mesh_raises_value_error_naming_it(name: str):
 # --- the size gate ----------------------------------------------------------------------------
 
 ALL_REDUCE = re.compile(r"\ball-reduce(-start)?\(")
-PERMUTE = re.compile(r"\bcollective-permute(-start)?\(")
+# What the quantized path sends with: collective-permutes (ring schedule, two-shot's
+# reduce-scatter) and all-gathers (one-shot, two-shot's all-gather).
+PERMUTE_OR_GATHER = re.compile(r"\b(collective-permute|all-gather)(-start)?\(")
 
 
 def test_small_messages_go_to_psum_by_default():
@@ -546,16 +549,16 @@ def test_small_messages_go_to_psum_by_default():
         run_all_reduce(get_all_reduce("psum"), x, n).view(np.uint32),
     )
     hlo = lower_all_reduce(gated, x, n)
-    assert ALL_REDUCE.search(hlo) and not PERMUTE.search(hlo)
+    assert ALL_REDUCE.search(hlo) and not PERMUTE_OR_GATHER.search(hlo)
     hlo = lower_all_reduce(equarx(), x, n)
-    assert PERMUTE.search(hlo) and not ALL_REDUCE.search(hlo)
+    assert PERMUTE_OR_GATHER.search(hlo) and not ALL_REDUCE.search(hlo)
 
 
 def test_the_gate_passes_messages_of_exactly_min_size_bytes():
     n, x = 2, gaussian(2, (256,))
     at_limit = get_all_reduce("equarx-int8", min_size_bytes=256 * 4)
     above_limit = get_all_reduce("equarx-int8", min_size_bytes=256 * 4 + 1)
-    assert PERMUTE.search(lower_all_reduce(at_limit, x, n))
+    assert PERMUTE_OR_GATHER.search(lower_all_reduce(at_limit, x, n))
     assert ALL_REDUCE.search(lower_all_reduce(above_limit, x, n))
 
 
@@ -571,22 +574,6 @@ def test_int8_sends_about_half_the_bytes_of_a_16_bit_ring(n: int):
     assert old == 2 * (n - 1) * elements // n * (256 + 4) // 256  # no padding at this size
     default = equarx().wire_bytes(elements, jnp.bfloat16, n)  # 4 scale bytes per 64 values
     assert default == 2 * (n - 1) * elements // n * (64 + 4) // 64 <= 0.54 * ring
-
-
-_ITEMSIZE = {"s8": 1, "u8": 1, "u16": 2, "s16": 2, "bf16": 2, "f16": 2, "f32": 4, "u32": 4}
-_HLO_OP = re.compile(r"= (.*?) (collective-permute|all-reduce)\(")
-_HLO_SHAPE = re.compile(r"\b([a-z]+\d+)\[([\d,]*)\]")
-
-
-def bytes_sent_per_device(hlo: str, n: int) -> int:
-    """What the compiled program sends from each device: every collective-permute's operand, and
-    2 (n-1)/n of every all-reduce's operand (a ring all-reduce)."""
-    total = 0
-    for result_type, op in _HLO_OP.findall(hlo):
-        for dtype, dims in _HLO_SHAPE.findall(result_type):
-            size = _ITEMSIZE[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
-            total += size if op == "collective-permute" else ring_all_reduce_bytes(size, n)
-    return total
 
 
 @pytest.mark.parametrize(
@@ -616,7 +603,7 @@ def test_wire_bytes_is_what_the_compiled_program_sends(ar: AllReduce, n: int, si
     # Sizes where every (direction, slice) lane holds some data: XLA may fold away the
     # collectives of a lane that is all padding, which `wire_bytes` still counts.
     hlo = lower_all_reduce(ar, np.zeros((n, size), dtype), n)
-    assert ar.wire_bytes(size, dtype, n) == bytes_sent_per_device(hlo, n) > 0
+    assert ar.wire_bytes(size, dtype, n) == sum(collective_wire_bytes(hlo, n).values()) > 0
 
 
 @pytest.mark.parametrize("name", BUILTINS)

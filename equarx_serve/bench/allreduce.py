@@ -23,6 +23,12 @@ Reported per row:
   rel RMS, max  the output against an f32 all-reduce with an f32 output, over all devices:
                 ||y - ref|| / ||ref|| and max |y - ref|
   identical     whether every device's output has the same bits
+
+`--pre-rotated` adds, for every method with a foldable input rotation (`equarx-int8`'s
+Hadamard), a second row labelled `LABEL [pre-rotated input]`: the collective as the model uses it
+(`ar.with_rotated_input()`), its input already rotated (as by the folded weights), so only the
+inverse transform runs. The method's own row stays the standalone collective (it rotates its
+input itself); both are timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -91,22 +97,43 @@ class BenchConfig:
     plot_path: Path | None = None
     seed: int = 0
     link: Link | None = None  # the processes' meshes on emulated hosts joined by this link
+    pre_rotated: bool = False  # also time foldable methods on pre-rotated input (see above)
 
 
-def resolve_methods(methods: Sequence[MethodSpec] | None) -> list[dict[str, object]]:
-    """Checks names and options against the registry (imports JAX); UsageError if invalid."""
+PRE_ROTATED_SUFFIX = " [pre-rotated input]"
+
+
+def resolve_methods(
+    methods: Sequence[MethodSpec] | None, *, pre_rotated: bool = False, sizes: Sequence[int] = ()
+) -> list[dict[str, object]]:
+    """Checks names and options against the registry (imports JAX); UsageError if invalid.
+    With `pre_rotated`, every method with a foldable rotation gets a second entry (its label +
+    `PRE_ROTATED_SUFFIX`, `rotated_input` true); every size must then hold whole rotation
+    blocks."""
     from equarx_serve.collectives import get_all_reduce, list_all_reduces
 
     specs = list(methods) if methods is not None else [parse_method(n) for n in list_all_reduces()]
     labels = [spec.label for spec in specs]
     if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
         raise UsageError(f"method(s) given more than once: {', '.join(duplicates)}")
+    resolved = []
     for spec in specs:
         try:
-            get_all_reduce(spec.name, **spec.options)
+            ar = get_all_reduce(spec.name, **spec.options)
         except ValueError as e:
             raise UsageError(f"method {spec.label!r}: {e}") from None
-    return [dataclasses.asdict(spec) for spec in specs]
+        resolved.append(dataclasses.asdict(spec) | {"rotated_input": False})
+        if pre_rotated and (rotation := ar.foldable_rotation) is not None:
+            if bad := [s for s in sizes if not rotation.divides(s // BF16_BYTES)]:
+                raise UsageError(
+                    f"--pre-rotated: {spec.label} rotates groups of {rotation.block} elements; "
+                    f"size(s) {', '.join(map(format_size, bad))} do not hold whole groups"
+                )
+            label = spec.label + PRE_ROTATED_SUFFIX
+            resolved.append(dataclasses.asdict(spec) | {"label": label, "rotated_input": True})
+    if pre_rotated and not any(m["rotated_input"] for m in resolved):
+        raise UsageError("--pre-rotated: no method given has a foldable input rotation")
+    return resolved
 
 
 def _run_worker(
@@ -339,7 +366,7 @@ def run(config: BenchConfig) -> int:
     printed), else 0."""
     from tqdm import tqdm
 
-    methods = resolve_methods(config.methods)
+    methods = resolve_methods(config.methods, pre_rotated=config.pre_rotated, sizes=config.sizes)
     results: list[dict[str, object]] = []
     total = len(config.meshes) * len(config.sizes) * len(methods)
     with tqdm(total=total, unit="method", desc="all-reduce bench") as bar:
@@ -422,6 +449,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every row here")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a speed-up plot (PNG)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the input data")
+    parser.add_argument(
+        "--pre-rotated",
+        action="store_true",
+        help="also time every method with a foldable input rotation as the model uses it: input "
+        "already rotated, only the inverse transform (rows labelled "
+        f"'{PRE_ROTATED_SUFFIX.strip()}')",
+    )
     links.add_arguments(parser, argument_type)
 
 
@@ -441,4 +475,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         plot_path=args.plot,
         seed=args.seed,
         link=link,
+        pre_rotated=args.pre_rotated,
     )

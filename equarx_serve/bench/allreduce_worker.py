@@ -11,7 +11,10 @@ device per process, joined by `jax.distributed` over gloo (`--coordinator`, `--n
 
 Input: a [N, L] bf16 array sharded over "x", L = size / 2 bytes, LLM-activation-like and
 different on every device (`activations`). Reference: the same sum in f32 with an f32 output
-(`psum-f32` before its final cast to bf16).
+(`psum-f32` before its final cast to bf16). A method entry with `"rotated_input": true` is the
+method's `with_rotated_input()` (how the model calls it) on that input rotated by its
+`foldable_rotation` in bf16 (what folded weights produce); its reference is `exact_sum` of
+that input (the f32 sum, rotated back).
 
 What is timed: each method is `jit(shard_map(lambda b: ar(b[0], "x")[None]))` with in and out
 specs P("x") (every device's output is kept), compiled ahead of time (its HLO gives the wire
@@ -170,32 +173,39 @@ def measure(
     )
     barrier = _compile(lambda t: lax.psum(t, AXIS), mesh, token)
 
-    def timed(program: jax.stages.Compiled) -> float:
+    def timed(program: jax.stages.Compiled, inputs: jax.Array) -> float:
         barrier(token).block_until_ready()
         start = time.perf_counter()
-        program(x).block_until_ready()
+        program(inputs).block_until_ready()
         return time.perf_counter() - start
 
-    programs: dict[str, jax.stages.Compiled] = {}
+    programs: dict[str, tuple[jax.stages.Compiled, jax.Array]] = {}
     rows: dict[str, dict[str, object]] = {}
     for method in methods:
         label = method["label"]
         ar = get_all_reduce(method["name"], **method["options"])
-        program = programs[label] = _compile(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, x)
+        inputs, expected = x, reference
+        if method.get("rotated_input"):
+            inputs = _compile(lambda b, r=ar.foldable_rotation: r.apply(b[0])[None], mesh, x)(x)
+            ar = ar.with_rotated_input()
+            expected = _compile(lambda b, ar=ar: ar.exact_sum(b[0], AXIS)[None], mesh, x)(inputs)
+        program = _compile(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, inputs)
+        programs[label] = (program, inputs)
         hlo_bytes = collective_wire_bytes(program.as_text(), n)
         rows[label] = {
             "label": label,
             "name": method["name"],
             "options": ar.options(),
+            "rotated_input": bool(method.get("rotated_input")),
             "quantized": ar.quantizes(num_elements, jnp.bfloat16),
             "wire_bytes_hlo": hlo_bytes,
             "wire_bytes_hlo_total": sum(hlo_bytes.values()),
             "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
-            **_errors(program(x), reference),
+            **_errors(program(inputs), expected),
         }
 
     repeats, timings = time_side_by_side(
-        list(programs), lambda label: timed(programs[label]), repeats
+        list(programs), lambda label: timed(*programs[label]), repeats
     )
     for label, stats in timings.items():
         rows[label].update(stats)

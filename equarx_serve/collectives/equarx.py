@@ -2,9 +2,10 @@
 
 Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
   1. Size gate: messages smaller than `min_size_bytes` use `lax.psum` (quantizing cannot pay).
-  2. Flatten; rotate every group of `rotation_block` elements (default: the block size) with
-     an orthonormal Hadamard transform (`rotation="hadamard"`, the default; in f32), pad to
-     whole blocks and chunks, cut into `[directions, num_slices, N, rows, B]` lanes (`ring.py`).
+  2. Flatten, pad to whole blocks and chunks, cut into `[directions, num_slices, N, rows, B]`
+     lanes (`ring.py`; each lane a contiguous run of whole rotation groups); rotate every group
+     of `rotation_block` elements (default: the block size) of each lane with an orthonormal
+     Hadamard transform (`rotation="hadamard"`, the default; f32 result).
   3. Quantize blocks of B elements (default 64): int8 values plus one scale per block
      (symmetric absmax, round to nearest, clamp to [-127, 127], floored; f32, or bf16 rounded
      up with `scale_dtype="bfloat16"`). Every receiver dequantizes and accumulates in f32;
@@ -22,8 +23,11 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
      In the all-gathers each owner quantizes its reduced chunk once and the int8 payload is
      forwarded unchanged; every device, the owner too, dequantizes the same bytes, so all
      replicas are bit-identical (in one-shot every device sums the same payloads in the same
-     order).
-  4. Crop, rotate back (the transform is its own inverse), cast back to the input dtype.
+     order). One-shot and two-shot's all-gather are one `lax.all_gather` per lane (gloo/NCCL),
+     the f32 scales bit-cast into the same buffer as the int8 values; the ring schedule stays
+     a ring of `ppermute`s (every transfer to a neighbour).
+  4. Rotate each reduced lane back (the transform is its own inverse), cast back to the input
+     dtype, crop.
 
 Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
 rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`
@@ -47,6 +51,7 @@ where `psum` is; an Inf comes out as NaN because the int8 payload carries no sig
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Literal
 
 import jax
@@ -181,7 +186,13 @@ class EquarxInt8(RingAllReduce):
         return self.block_size
 
     def pad_rows(self, rows: int) -> int:
-        return block_quantize.padded_rows(rows)
+        """The quantizer's tiling, and with a rotation, whole rotation groups in every chunk
+        (rows * B a multiple of the rotation block), so that each lane rotates on its own."""
+        rows = block_quantize.padded_rows(rows)
+        if (rotation := self.input_rotation) is not None:
+            multiple = rotation.block // math.gcd(rotation.block, self.block_size)
+            rows = -(-rows // multiple) * multiple
+        return rows
 
     def codec(self, dtype: jnp.dtype) -> BlockInt8Codec:
         backend = jax.default_backend()
@@ -227,22 +238,38 @@ class EquarxInt8(RingAllReduce):
         rotation = self.input_rotation
         if rotation is None:
             return self.ring_reduce(x, axis_name, axis_size, x.dtype)
-        # Rotate the flat message, zero-padded to whole rotation blocks, into f32.
-        flat = x.reshape(-1)
-        padded = -(-flat.size // rotation.block) * rotation.block
-        rotated = rotation.apply(jnp.pad(flat, (0, padded - flat.size)), out_dtype=jnp.float32)
-        reduced = self.ring_reduce(rotated, axis_name, axis_size, jnp.float32)
-        return rotation.apply(reduced, out_dtype=x.dtype)[: x.size].reshape(x.shape)
+        # Each lane is rotated (to f32) before it is quantized, and rotated back once its sum is
+        # decoded: lanes are contiguous runs of whole rotation groups of the flat message
+        # (`pad_rows`), so this is the message's rotation, pipelined with the transfers.
+        return self.ring_reduce(
+            x,
+            axis_name,
+            axis_size,
+            x.dtype,
+            prepare=lambda lane: _rotate_lane(rotation, lane, jnp.float32),
+            finish=lambda lane: _rotate_lane(rotation, lane, x.dtype),
+        )
 
     def reduce_rotated_input(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
         """The sum of inputs already rotated along their last axis by `input_rotation`, rotated
         back. Gated messages are summed by `psum` in f32, so the result is rounded once."""
         check_float_dtype(x, self.name)
+        rotation = self.input_rotation
         if self.is_gated(x.size, x.dtype):
-            reduced = lax.psum(x.astype(jnp.float32), axis_name)
-        else:
-            reduced = self.ring_reduce(x, axis_name, axis_size, jnp.float32)
-        return self.input_rotation.apply(reduced, out_dtype=x.dtype)
+            return rotation.apply(lax.psum(x.astype(jnp.float32), axis_name), out_dtype=x.dtype)
+        return self.ring_reduce(
+            x,
+            axis_name,
+            axis_size,
+            x.dtype,
+            finish=lambda lane: _rotate_lane(rotation, lane, x.dtype),
+        )
+
+
+def _rotate_lane(rotation: HadamardRotation, lane: jax.Array, out_dtype: jnp.dtype) -> jax.Array:
+    """A lane [..., R, B] of the flat message, each run of `rotation.block` elements rotated."""
+    flat = lane.reshape(*lane.shape[:-2], -1)
+    return rotation.apply(flat, out_dtype=out_dtype).reshape(lane.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""Pipelined ring all-reduce over `ppermute`, generic in what goes on the wire.
+"""Pipelined all-reduce over `ppermute` and `all_gather`, generic in what goes on the wire.
 
 The message (flattened, padded) is laid out as lanes `[D, S, N, R, B]`: D directions (1, or 2
 when bidirectional: lane d=0 travels i -> i+1, d=1 travels i -> i-1), S pipeline slices, N
 chunks (one per device), R rows of B elements. Every (direction, slice) lane is an independent
-all-reduce of `N*R*B` elements; the program is emitted step-major, so while slice s is on the
-wire, slice s+1 is being encoded: the slices form a software pipeline that XLA's scheduler is
-free to overlap.
+all-reduce of `N*R*B` elements, a contiguous run of the flat message; the program is emitted
+step-major, so while slice s is on the wire, slice s+1 is being encoded: the slices form a
+software pipeline that XLA's scheduler is free to overlap. Optional per-lane transforms
+(`prepare` before encoding, `finish` after decoding: the Hadamard rotation and its inverse)
+pipeline with them.
 
 Two reduce-scatters:
   ring      (N-1 hops) device i sends the running partial sum of chunk i - s*dir at step s;
@@ -14,16 +16,25 @@ Two reduce-scatters:
   two-shot  each device encodes its contribution once and sends chunk j straight to device j
             (N-1 shifted ppermutes); the owner sums its own exact contribution and the N-1
             decoded ones in f32. Device i owns chunk i. Each element is encoded exactly twice.
-Then a ring all-gather (N-1 hops): each owner encodes its reduced chunk once; the payload is
-forwarded unchanged, and every device, the owner included, decodes the same bytes, so all
-replicas are bit-identical.
+Then an all-gather: each owner encodes its reduced chunk once; the payload travels unchanged,
+and every device, the owner included, decodes the same bytes, so all replicas are
+bit-identical. After two-shot (owners in rank order) it is one `lax.all_gather` per lane (gloo's
+all-gather on CPU, NCCL's on GPU), the values and scales packed into one buffer; after the ring
+reduce-scatter it is a ring of N-1 `ppermute` hops, so that every transfer stays between
+neighbours (a physical ring: the TPU ICI torus).
 
 A third schedule needs no reduce-scatter:
-  one-shot  each device encodes its whole lane once and sends it to every other device (N-1
-            shifted ppermutes); every device decodes all N payloads, its own included, and sums
-            them in f32 in rank order, so replicas are bit-identical. Each element is encoded
-            once. One step instead of two, and at N = 2 the same bytes as the others; at
-            N > 2 it sends N/2 times their bytes.
+  one-shot  each device encodes its whole lane once and all-gathers it (one collective per
+            lane); every device decodes all N payloads, its own included, and adds them in f32
+            in rank order, so replicas are bit-identical. Each element is encoded once. One
+            step instead of two, and at N = 2 the same bytes as the others; at N > 2 it sends
+            N/2 times their bytes.
+
+Why all-gathers: on XLA:CPU a collective-permute is one unbound send and one receive, waited
+on together, and its two directions do not overlap on the wire (a 4 MiB exchange over a
+1 Gbit/s link: 48-67 ms, 53-73% of the link), while gloo's all-gather moves 4 MiB in ~50 ms
+(~70%); and one collective per lane instead of one per payload array saves the ~20 ms that a
+small collective after a large one costs there.
 
 Bytes each device sends, for E encoded bytes per element: 2 (N-1) R B D S * E for ring and
 two-shot, (N-1) N R B D S * E for one-shot. `schedule="auto"` (`RingAllReduce.schedule_for`)
@@ -38,6 +49,8 @@ what travels (`codec`, `payload_bytes`) and how wide a lane's rows are (`lane_bl
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -115,6 +128,9 @@ def _shift_perm(axis_size: int, shift: int) -> list[tuple[int, int]]:
     return [(i, (i + shift) % axis_size) for i in range(axis_size)]
 
 
+LaneFn = Callable[[jax.Array], jax.Array]
+
+
 def pipelined_all_reduce(
     lanes: jax.Array,
     axis_name: str,
@@ -122,27 +138,37 @@ def pipelined_all_reduce(
     *,
     schedule: str,
     out_dtype: jnp.dtype,
+    prepare: LaneFn | None = None,
+    finish: LaneFn | None = None,
 ) -> jax.Array:
-    """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype."""
+    """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
+
+    `prepare` maps each lane [N, R, B] to the values that are encoded (e.g. a rotation), and
+    `finish` maps each reduced lane, decoded in f32, to the output in `out_dtype` (e.g. the
+    inverse rotation); both per lane, so lane k's transforms can overlap lane k+1's transfer.
+    """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
     keys = [(d, s) for d in range(num_dirs) for s in range(num_slices)]
     direction = {(d, s): 1 if d == 0 else -1 for d, s in keys}
+    prepare = prepare or (lambda lane: lane)
+    finish = finish or (lambda lane: lane.astype(out_dtype))
 
+    if schedule == "one-shot":
+        return _one_shot_all_reduce(lanes, axis_name, codec, prepare=prepare, finish=finish)
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
-    if schedule == "one-shot":
-        return _one_shot_all_reduce(lanes, axis_name, codec, out_dtype=out_dtype)
+    values = {key: prepare(lanes[key]) for key in keys}
     if schedule == "ring":
         with jax.named_scope("ring_reduce_scatter"):
             for key in keys:
-                payload[key] = codec.encode_chunk(lanes[key], index)
+                payload[key] = codec.encode_chunk(values[key], index)
             for step in range(1, n):
                 for key in keys:
                     dr = direction[key]
                     received = lax.ppermute(payload[key], axis_name, _shift_perm(n, dr))
-                    local_chunk = take_chunk(lanes[key], (index - dr * step) % n)
+                    local_chunk = take_chunk(values[key], (index - dr * step) % n)
                     payload[key] = codec.accumulate_encode(local_chunk, (received,))
             for key in keys:
                 owned[key] = (index + direction[key]) % n
@@ -152,69 +178,91 @@ def pipelined_all_reduce(
             for shift in range(1, n):
                 for key in keys:
                     dr = direction[key]
-                    outgoing = codec.encode_chunk(lanes[key], (index + dr * shift) % n)
+                    outgoing = codec.encode_chunk(values[key], (index + dr * shift) % n)
                     received[key].append(
                         lax.ppermute(outgoing, axis_name, _shift_perm(n, dr * shift))
                     )
             for key in keys:
                 payload[key] = codec.accumulate_encode(
-                    take_chunk(lanes[key], index), tuple(received[key])
+                    take_chunk(values[key], index), tuple(received[key])
                 )
                 owned[key] = index
     else:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {SCHEDULES}")
 
-    # All-gather: forward the owners' payloads unchanged; everyone decodes the same bytes.
-    # Each lane keeps its payloads in arrival order; one gather per lane puts them in place and
-    # decodes them in a single pass (no zero-filled buffer, no per-chunk copies), so a lane is
-    # decoded as soon as its own payloads are in, while later lanes are still on the wire.
-    with jax.named_scope("ring_all_gather"):
-        decoded = {}
-        for key in keys:
-            arrived = [payload[key]]
-            for _ in range(1, n):
-                arrived.append(lax.ppermute(arrived[-1], axis_name, _shift_perm(n, direction[key])))
-            # The payload that arrived at step k is chunk owned - dir*k, so chunk p arrived at
-            # step dir * (owned - p) mod N.
-            arrival_step = direction[key] * (owned[key] - jnp.arange(n)) % n  # [N]
-            in_place = jax.tree.map(
-                lambda *chunks, steps=arrival_step: jnp.take(jnp.stack(chunks), steps, axis=0),
-                *arrived,
-            )  # leaves [N, R, ...]
-            decoded[key] = codec.decode(in_place, out_dtype)
+    # All-gather: the owners' payloads, unchanged; everyone decodes the same bytes. Two-shot
+    # owners are in rank order, so one gloo/NCCL all-gather per lane carries them; the ring
+    # schedule forwards them around the ring (every transfer to a neighbour).
+    decoded = {}
+    for key in keys:
+        if schedule == "ring":
+            with jax.named_scope("ring_all_gather"):
+                in_place = _ring_all_gather(payload[key], owned[key], axis_name, direction[key])
+        else:
+            with jax.named_scope("all_gather"):
+                in_place = all_gather_payload(payload[key], axis_name)  # chunk p from device p
+        decoded[key] = finish(codec.decode(in_place, jnp.float32))
     return jnp.stack(
         [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
     )
 
 
+def _ring_all_gather(payload: Payload, owned: jax.Array, axis_name: str, direction: int) -> Payload:
+    """Every chunk's payload in chunk order (leaves [N, ...]), forwarded N-1 hops round the ring
+    from its owner (this device owns chunk `owned`). The payloads are kept in arrival order and
+    one gather puts them in place (no zero-filled buffer, no per-chunk copies)."""
+    n = lax.axis_size(axis_name)
+    arrived = [payload]
+    for _ in range(1, n):
+        arrived.append(lax.ppermute(arrived[-1], axis_name, _shift_perm(n, direction)))
+    # The payload that arrived at step k is chunk owned - dir*k, so chunk p arrived at step
+    # dir * (owned - p) mod N.
+    arrival_step = direction * (owned - jnp.arange(n)) % n  # [N]
+    return jax.tree.map(lambda *chunks: jnp.take(jnp.stack(chunks), arrival_step, axis=0), *arrived)
+
+
+def all_gather_payload(payload: Payload, axis_name: str) -> Payload:
+    """Every device's `payload`, stacked in rank order (leaves [N, ...]), in ONE all-gather
+    (gloo's on CPU, NCCL's on GPU). A payload of several arrays travels bit-cast to bytes in one
+    buffer, so the scales ride with the values instead of costing a collective of their own (a
+    small extra collective costs ~20 ms on a 1 Gbit/s link here)."""
+    leaves, treedef = jax.tree.flatten(payload)
+    if len(leaves) == 1:
+        return jax.tree.unflatten(treedef, [lax.all_gather(leaves[0], axis_name)])
+    as_bytes = [lax.bitcast_convert_type(leaf, jnp.uint8).reshape(-1) for leaf in leaves]
+    gathered = lax.all_gather(jnp.concatenate(as_bytes), axis_name)  # [N, bytes]
+    n, unpacked, offset = gathered.shape[0], [], 0
+    for leaf, raw in zip(leaves, as_bytes, strict=True):
+        part = gathered[:, offset : offset + raw.size]
+        offset += raw.size
+        itemsize = jnp.dtype(leaf.dtype).itemsize
+        bytes_shape = (n, *leaf.shape) + ((itemsize,) if itemsize > 1 else ())
+        unpacked.append(lax.bitcast_convert_type(part.reshape(bytes_shape), leaf.dtype))
+    return jax.tree.unflatten(treedef, unpacked)
+
+
 def _one_shot_all_reduce(
-    lanes: jax.Array, axis_name: str, codec: Codec, *, out_dtype: jnp.dtype
+    lanes: jax.Array, axis_name: str, codec: Codec, *, prepare: LaneFn, finish: LaneFn
 ) -> jax.Array:
-    """Every device encodes its whole lane once and sends it to every other device (N-1
-    shifted ppermutes); every device decodes all N payloads, its own too, and sums them in f32
-    in rank order, so replicas are bit-identical."""
+    """Every device encodes its whole lane once and all-gathers it (one collective per lane);
+    every device decodes all N payloads, its own too, and sums them in f32 in rank order, so
+    replicas are bit-identical."""
     num_dirs, num_slices, n = lanes.shape[:3]
-    index = lax.axis_index(axis_name)
     decoded = []
     with jax.named_scope("one_shot_all_gather"):
         for d in range(num_dirs):
-            sign = 1 if d == 0 else -1
             for s in range(num_slices):
+                values = prepare(lanes[d, s])
                 own = jax.tree.map(
                     lambda *chunks: jnp.stack(chunks),
-                    *[codec.encode_chunk(lanes[d, s], jnp.int32(i)) for i in range(n)],
+                    *[codec.encode_chunk(values, jnp.int32(i)) for i in range(n)],
                 )  # leaves [N, R, ...]
-                arrived = [own] + [
-                    lax.ppermute(own, axis_name, _shift_perm(n, sign * k)) for k in range(1, n)
-                ]
-                # The payload that arrived at step k came from device index - sign * k.
-                step_of_rank = sign * (index - jnp.arange(n)) % n  # [N]
-                by_rank = jax.tree.map(
-                    lambda *steps, order=step_of_rank: jnp.take(jnp.stack(steps), order, axis=0),
-                    *arrived,
-                )  # leaves [N (source rank), N, R, ...]
+                by_rank = all_gather_payload(own, axis_name)  # [N (source rank), N, R, ...]
                 values = codec.decode(by_rank, jnp.float32)  # [N, N, R, B]
-                decoded.append(jnp.sum(values, axis=0).astype(out_dtype))
+                # Added one by one in rank order: one elementwise pass. (`jnp.sum` over the
+                # leading axis is a reduce that XLA:CPU runs ~4x slower, measured at 16 MiB.)
+                summed = functools.reduce(operator.add, [values[k] for k in range(n)])
+                decoded.append(finish(summed))
     return jnp.stack(decoded).reshape(lanes.shape)
 
 
@@ -276,10 +324,17 @@ class RingAllReduce(AllReduce):
         return self.ring_reduce(x, axis_name, axis_size, x.dtype)
 
     def ring_reduce(
-        self, x: jax.Array, axis_name: str, axis_size: int, out_dtype: jnp.dtype
+        self,
+        x: jax.Array,
+        axis_name: str,
+        axis_size: int,
+        out_dtype: jnp.dtype,
+        *,
+        prepare: LaneFn | None = None,
+        finish: LaneFn | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
-        `out_dtype`."""
+        `out_dtype`; `prepare` and `finish` transform each lane (`pipelined_all_reduce`)."""
         layout = self.layout(x.size, axis_size)
         schedule = self.schedule_for(axis_size)
         with jax.named_scope(f"{self.name}_{schedule}".replace("-", "_")):
@@ -289,6 +344,8 @@ class RingAllReduce(AllReduce):
                 self.codec(x.dtype),
                 schedule=schedule,
                 out_dtype=out_dtype,
+                prepare=prepare,
+                finish=finish,
             )
         return layout.from_lanes(reduced, x.shape)
 
