@@ -109,6 +109,9 @@ class PrefillEngine:
       mesh: A mesh with axis "tp" of size `tp` (default: 1-D over `jax.devices()[:tp]`).
       dtype: Cast the parameters to this dtype (default: keep theirs).
       max_length: The longest prompt accepted (the last bucket).
+      overlap_chunks: Split a prefill's row-parallel sections into this many token chunks, so
+        one chunk's all-reduce can overlap the next chunk's compute (`models.gemma3`,
+        "Overlap"); 1 (default): whole messages.
     """
 
     def __init__(
@@ -121,6 +124,7 @@ class PrefillEngine:
         mesh: Mesh | None = None,
         dtype: jnp.dtype | None = None,
         max_length: int = DEFAULT_MAX_LENGTH,
+        overlap_chunks: int = 1,
         _sharded: bool = False,
         _folds: dict[HadamardRotation, Params] | None = None,
     ):
@@ -139,7 +143,9 @@ class PrefillEngine:
         self.buckets = length_buckets(max_length)
         self.max_length = max_length
         # Raises ValueError when the model cannot be split tp ways, or for a bad all-reduce.
-        self.model = TensorParallelGemma3(config, mesh, get_all_reduce(all_reduce))
+        self.model = TensorParallelGemma3(
+            config, mesh, get_all_reduce(all_reduce), overlap_chunks=overlap_chunks
+        )
         self.all_reduce = self.model.all_reduce
         self.checkpoint_params = params if _sharded else self._shard(params, dtype)
         self._folds = {} if _folds is None else _folds  # shared with `with_all_reduce` engines
@@ -172,8 +178,13 @@ class PrefillEngine:
             self._folds[rotation] = self.model.fold_params(self.checkpoint_params)
         return self._folds[rotation]
 
-    def with_all_reduce(self, all_reduce: str | AllReduce) -> PrefillEngine:
-        """The same model and (already sharded) parameters on another all-reduce."""
+    def with_all_reduce(
+        self, all_reduce: str | AllReduce, *, overlap_chunks: int | None = None
+    ) -> PrefillEngine:
+        """The same model and (already sharded) parameters on another all-reduce (and with
+        `overlap_chunks` if given, else this engine's)."""
+        if overlap_chunks is None:
+            overlap_chunks = self.model.overlap_chunks
         engine = PrefillEngine(
             self.config,
             self.checkpoint_params,
@@ -181,6 +192,7 @@ class PrefillEngine:
             all_reduce=all_reduce,
             mesh=self.mesh,
             max_length=self.max_length,
+            overlap_chunks=overlap_chunks,
             _sharded=True,
             _folds=self._folds,
         )
@@ -198,6 +210,7 @@ class PrefillEngine:
         *,
         dtype: jnp.dtype | None = jnp.bfloat16,
         max_length: int = DEFAULT_MAX_LENGTH,
+        overlap_chunks: int = 1,
     ) -> PrefillEngine:
         """An engine for the config named `model`: with `checkpoint` (an orbax folder) and
         `tokenizer` (its SentencePiece .model), those weights; else "gemma3-270m" loads the
@@ -228,7 +241,13 @@ class PrefillEngine:
             params = init_params(config, jax.random.PRNGKey(INIT_SEED))
             info.update(source="random-init", seed=INIT_SEED)
         engine = cls(
-            config, params, tp=tp, all_reduce=all_reduce, dtype=dtype, max_length=max_length
+            config,
+            params,
+            tp=tp,
+            all_reduce=all_reduce,
+            dtype=dtype,
+            max_length=max_length,
+            overlap_chunks=overlap_chunks,
         )
         engine.tokenizer, engine.info = tok, info
         return engine

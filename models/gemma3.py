@@ -38,6 +38,18 @@ choice is made per call site from the message's static shape. The cost is memory
 row-parallel weights twice (+71 MB for 270M in bf16; a quarter to a third more for the
 larger sizes); `fold_rotation=False` on the all-reduce keeps one copy and rotates inside it.
 
+Overlap (`overlap_chunks` K > 1, off by default): a prefill's layers run everything after
+the attention itself (the row-parallel output projection and its all-reduce, the norms and
+residuals, the MLP and its all-reduce) on K chunks of the tokens, each chunk's work depending
+on its own all-reduces only, so one chunk's all-reduce can be on the wire while the next
+chunk's matmuls run (where the backend runs a collective beside independent compute). The
+attention and the next layer's projections see all tokens at once. Every operation is per
+token, so the values are those of the unchunked model up to the rounding of the per-chunk
+matmuls; the whole message, not a chunk, decides the size gate and the folded rotation, so a
+chunked prefill quantizes exactly the messages the unchunked one does. Decode steps (one token)
+and traced programs (`capture`: one record per all-reduce) are never chunked, nor a prompt of
+fewer than 2 `MIN_CHUNK_TOKENS` (fewer chunks when the chunks would be shorter).
+
 The Flax modules below are written for one device's shard (their sizes are the local ones) and
 run inside `jax.shard_map`; `TensorParallelGemma3` wraps them in `jit(shard_map(...))`:
 
@@ -61,6 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from typing import Any
 
@@ -85,6 +98,7 @@ AXIS = "tp"
 ROW_PARALLEL_WEIGHTS = (("attn", "attn_vec_einsum", "w"), ("mlp", "linear"))
 ROTATED = "_rotated"
 TRACE = "all_reduce_trace"  # Flax collection of the all-reduce records (`reduce_and_trace`)
+MIN_CHUNK_TOKENS = 16  # the shortest token chunk of an overlapped prefill (`overlap_chunks`)
 
 LayerCache = dict[str, jax.Array]  # {"k", "v"}: [B, L, K_local, H], after QK-norm and RoPE
 Params = dict[str, Any]
@@ -341,11 +355,13 @@ def apply_rope(
 
 @dataclasses.dataclass(frozen=True)
 class RowParallelReduction:
-    """How the layers reduce their row-parallel partial sums: `all_reduce`, and whether the
-    rotated weight copies exist (`folded`, see the module doc)."""
+    """How the layers reduce their row-parallel partial sums: `all_reduce`, whether the
+    rotated weight copies exist (`folded`, see the module doc), and into how many token chunks
+    a prefill's messages are split (`overlap_chunks`, see "Overlap" in the module doc)."""
 
     all_reduce: AllReduce
     folded: bool = False
+    overlap_chunks: int = 1
 
     def rotated(self, message_shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
         """Whether a message of this shape is computed with the rotated weights (and reduced
@@ -354,6 +370,41 @@ class RowParallelReduction:
 
     def all_reduce_for(self, rotated: bool) -> AllReduce:
         return self.all_reduce.with_rotated_input() if rotated else self.all_reduce
+
+    def chunk_bounds(self, num_tokens: int) -> list[tuple[int, int]]:
+        """[start, stop) of each token chunk of a prefill of `num_tokens`: `overlap_chunks`
+        near-equal ones of at least `MIN_CHUNK_TOKENS`, fewer for short prompts (one: whole)."""
+        count = max(1, min(self.overlap_chunks, num_tokens // MIN_CHUNK_TOKENS))
+        edges = [num_tokens * i // count for i in range(count + 1)]
+        return list(itertools.pairwise(edges))
+
+    def for_chunks(self, message_shape: tuple[int, ...], dtype: jnp.dtype) -> ChunkReduction:
+        """How each chunk of a message of `message_shape` is reduced: the whole message, not
+        the chunk, decides the size gate and the rotation, so chunking changes neither which
+        messages are quantized nor the weights that compute them."""
+        rotated = self.rotated(message_shape, dtype)
+        all_reduce = self.all_reduce
+        if not all_reduce.is_gated(math.prod(message_shape), dtype):
+            all_reduce = all_reduce.ungated()  # a chunk may be under the gate; its message is not
+        return ChunkReduction(all_reduce.with_rotated_input() if rotated else all_reduce, rotated)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkReduction:
+    """The all-reduce of one token chunk of a row-parallel message, and whether its partial
+    sums are computed with the rotated weights."""
+
+    all_reduce: AllReduce
+    rotated: bool
+
+    def reduce(self, partial: jax.Array, axis_name: str, after: jax.Array | None) -> jax.Array:
+        """The all-reduce of `partial`, started only once `after` (the output of the all-reduce
+        before it, if any) is ready. The chain fixes the order of a layer's chunk all-reduces
+        and keeps XLA from combining independent ones into one (which would wait for all their
+        inputs and leave nothing to overlap); the compute between them is not held back."""
+        if after is not None:
+            partial, _ = lax.optimization_barrier((partial, after))
+        return self.all_reduce(partial, axis_name)
 
 
 def reduce_and_trace(module: nn.Module, partial: jax.Array, rotated: bool) -> jax.Array:
@@ -490,7 +541,7 @@ class Attention(nn.Module):
             attn_mask = attn_mask * sliding_window_mask(positions, window)  # [B, T, T]
         return masked_attention(query, key, value, attn_mask, softcap=softcap)
 
-    def __call__(
+    def attend(
         self,
         x: jax.Array,
         positions: jax.Array,
@@ -498,11 +549,8 @@ class Attention(nn.Module):
         input_mask: jax.Array | None = None,
         cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
-        """Prefill: x [B, L, D], positions [B, L], attn_mask [B, L, L] (causal over real
-        tokens), input_mask [B, L] -> (cache [B, L, K, H], [B, L, D]). Decode (`cache` given,
-        [B, S, K, H]): x [B, 1, D] is each sequence's new token at positions [B, 1]; its k/v
-        are written at that index of the cache (index == position: right-padded prompts) and
-        it attends over attn_mask [B, 1, S] -> (the updated cache, [B, 1, D])."""
+        """As `__call__`, up to the row-parallel projection: (cache, this device's heads'
+        attention output [B, T, N, H])."""
         c = self.config
         local = self.attn_type == AttentionType.LOCAL_SLIDING
         decoding = cache is not None
@@ -533,12 +581,39 @@ class Attention(nn.Module):
         encoded = self._attend(
             query, cache, positions, attn_mask, input_mask, local=local, decoding=decoding
         )
-        b, t = encoded.shape[:2]
+        return cache, encoded
 
-        # Row-parallel: this device's heads' share of the output, summed over devices.
-        rotated = self.reduction.rotated((b, t, c.embed_dim), x.dtype)
+    def project(
+        self,
+        encoded: jax.Array,
+        chunk: ChunkReduction | None = None,
+        after: jax.Array | None = None,
+    ) -> jax.Array:
+        """Row-parallel: this device's heads' share of the output [B, T, N, H] -> [B, T, D],
+        summed over devices (one chunk of the tokens with `chunk.reduce`, untraced)."""
+        if chunk is not None:
+            partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded, rotated=chunk.rotated)
+            return chunk.reduce(partial, self.axis_name, after)
+        b, t = encoded.shape[:2]
+        rotated = self.reduction.rotated((b, t, self.config.embed_dim), encoded.dtype)
         partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded, rotated=rotated)  # [B, T, D]
-        return cache, reduce_and_trace(self, partial, rotated)
+        return reduce_and_trace(self, partial, rotated)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        input_mask: jax.Array | None = None,
+        cache: LayerCache | None = None,
+    ) -> tuple[LayerCache, jax.Array]:
+        """Prefill: x [B, L, D], positions [B, L], attn_mask [B, L, L] (causal over real
+        tokens), input_mask [B, L] -> (cache [B, L, K, H], [B, L, D]). Decode (`cache` given,
+        [B, S, K, H]): x [B, 1, D] is each sequence's new token at positions [B, 1]; its k/v
+        are written at that index of the cache (index == position: right-padded prompts) and
+        it attends over attn_mask [B, 1, S] -> (the updated cache, [B, 1, D])."""
+        cache, encoded = self.attend(x, positions, attn_mask, input_mask, cache)
+        return cache, self.project(encoded)
 
 
 class FeedForward(nn.Module):
@@ -551,8 +626,10 @@ class FeedForward(nn.Module):
     axis_name: str
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, L, D] -> [B, L, D]."""
+    def __call__(
+        self, x: jax.Array, chunk: ChunkReduction | None = None, after: jax.Array | None = None
+    ) -> jax.Array:
+        """x [B, L, D] -> [B, L, D] (one chunk of the tokens with `chunk.reduce`, untraced)."""
         d, f = self.config.embed_dim, self.layout.hidden_dim
         init = nn.initializers.normal()
         if self.config.transpose_gating_einsum:
@@ -563,9 +640,14 @@ class FeedForward(nn.Module):
             gate = jnp.einsum("BTD,CDF->BTCF", x, w_gating)  # [B, T, 2, F]
         activations = nn.gelu(gate[..., 0, :]) * gate[..., 1, :]  # [B, T, F]
 
-        rotated = self.reduction.rotated((*x.shape[:-1], d), x.dtype)
+        if chunk is None:
+            rotated = self.reduction.rotated((*x.shape[:-1], d), x.dtype)
+        else:
+            rotated = chunk.rotated
         w_linear = self.param("linear" + ROTATED if rotated else "linear", init, (f, d))
         partial = jnp.einsum("BTF,FD->BTD", activations, w_linear)  # [B, T, D]
+        if chunk is not None:
+            return chunk.reduce(partial, self.axis_name, after)
         return reduce_and_trace(self, partial, rotated)
 
 
@@ -596,17 +678,48 @@ class Block(nn.Module):
         cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
         """x [B, L, D] (replicated) -> (cache, [B, L, D] replicated); with `cache`, one decode
-        step (see `Attention`)."""
+        step (see `Attention`). A prefill with `overlap_chunks` > 1 (untraced) runs everything
+        after the attention itself chunk by chunk (see "Overlap" in the module doc)."""
         normed = self.pre_attention_norm(x)
-        cache, attn_output = self.attn(normed, positions, attn_mask, input_mask, cache)
+        bounds = self.reduction.chunk_bounds(x.shape[1])
+        if cache is not None or len(bounds) == 1 or self.is_mutable_collection(TRACE):
+            cache, attn_output = self.attn(normed, positions, attn_mask, input_mask, cache)
+            attn_output = self._attention_residual(x, attn_output)
+            return cache, self._mlp_residual(attn_output, self.mlp(self.pre_ffw_norm(attn_output)))
+        cache, encoded = self.attn.attend(normed, positions, attn_mask, input_mask)
+        return cache, self._chunked(x, encoded, bounds)
+
+    def _chunked(
+        self, x: jax.Array, encoded: jax.Array, bounds: list[tuple[int, int]]
+    ) -> jax.Array:
+        """The block after its attention (`encoded` [B, L, N, H]), chunk by chunk over the
+        tokens. The all-reduces run in the order attn 0, attn 1, mlp 0, attn 2, mlp 1, ...,
+        mlp K-1 (`ChunkReduction.reduce`), so that while one is on the wire the MLP of a chunk
+        whose attention output is already reduced can run."""
+        chunk = self.reduction.for_chunks(x.shape, x.dtype)  # a message is [B, L, D], as x
+        count = len(bounds)
+        residuals, outputs = [], []
+        after = None  # the last all-reduce's output
+        for step in range(count + 1):
+            if step < count:
+                a, b = bounds[step]
+                after = self.attn.project(encoded[:, a:b], chunk, after)
+                residuals.append(self._attention_residual(x[:, a:b], after))
+            if step > 0:
+                residual = residuals[step - 1]
+                after = self.mlp(self.pre_ffw_norm(residual), chunk, after)
+                outputs.append(self._mlp_residual(residual, after))
+        return jnp.concatenate(outputs, axis=1)
+
+    def _attention_residual(self, x: jax.Array, attn_output: jax.Array) -> jax.Array:
         if self.post_attention_norm is not None:
             attn_output = self.post_attention_norm(attn_output)
-        attn_output = attn_output + x
+        return attn_output + x
 
-        outputs = self.mlp(self.pre_ffw_norm(attn_output))
+    def _mlp_residual(self, residual: jax.Array, mlp_output: jax.Array) -> jax.Array:
         if self.post_ffw_norm is not None:
-            outputs = self.post_ffw_norm(outputs)
-        return cache, outputs + attn_output
+            mlp_output = self.post_ffw_norm(mlp_output)
+        return mlp_output + residual
 
 
 class Gemma3Shard(nn.Module):
@@ -716,7 +829,9 @@ class TensorParallelGemma3:
     outputs with `all_reduce` (a registered name, e.g. "psum", "equarx-int8", or an instance).
 
     `rotation` is the all-reduce's input rotation folded into the row-parallel weights (see
-    the module doc), or None: then parameters run as they are.
+    the module doc), or None: then parameters run as they are. `overlap_chunks` > 1 splits a
+    prefill's row-parallel sections into that many token chunks (see "Overlap" in the module
+    doc; 1, the default: whole messages).
 
     Compiled functions are cached per instance (one per `last_only`, retraced per input
     shape/dtype), so reuse an instance.
@@ -729,7 +844,14 @@ class TensorParallelGemma3:
         all_reduce: str | AllReduce = "psum",
         *,
         axis_name: str = AXIS,
+        overlap_chunks: int = 1,
     ):
+        if (
+            not isinstance(overlap_chunks, int)
+            or isinstance(overlap_chunks, bool)
+            or (overlap_chunks < 1)
+        ):
+            raise ValueError(f"overlap_chunks must be an int >= 1, got {overlap_chunks!r}")
         if axis_name not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {axis_name!r}; its axes: {mesh.axis_names}")
         self.config = config
@@ -750,7 +872,8 @@ class TensorParallelGemma3:
             f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
             for i in range(config.num_layers)
         }
-        reduction = RowParallelReduction(self.all_reduce, folded)
+        self.overlap_chunks = overlap_chunks
+        reduction = RowParallelReduction(self.all_reduce, folded, overlap_chunks)
         self._module = Gemma3Shard(config, self.layout, reduction, axis_name)
         self._forward = {
             (last_only, capture): self._build(last_only, capture)

@@ -19,27 +19,34 @@ from models.config import get_config
 def bench_json(tmp_path_factory):
     path = tmp_path_factory.mktemp("prefill") / "prefill.json"
     argv = ["bench", "prefill", "--model", "tiny", "--tp", "2", "--seq-lens", "16", "32"]
+    argv += ["--overlap-chunks", "2"]
     assert cli.main([*argv, "--repeats", "2", "--json", str(path)]) == 0
     return json.loads(path.read_text())
 
 
-def test_rows_for_every_method_and_length(bench_json):
+def test_rows_for_every_method_length_and_overlap(bench_json):
     rows = bench_json["rows"]
-    assert {(r["label"], r["seq_len"]) for r in rows} == {
-        (m, s) for m in DEFAULT_METHODS for s in (16, 32)
+    labels = [*DEFAULT_METHODS, *(f"{m}/overlap=2" for m in DEFAULT_METHODS)]
+    assert {(r["label"], r["seq_len"]) for r in rows} == {(m, s) for m in labels for s in (16, 32)}
+    assert bench_json["settings"]["overlap_chunks"] == [1, 2]
+    no_reduce_ms = {
+        (run["seq_len"], chunks): no_reduce["median_ms"]
+        for run in bench_json["runs"]
+        for chunks, no_reduce in [("1", run["no_reduce"]), *run["no_reduce_overlap"].items()]
     }
-    no_reduce_ms = {run["seq_len"]: run["no_reduce"]["median_ms"] for run in bench_json["runs"]}
     for r in rows:
+        assert r["overlap_chunks"] == (2 if r["label"].endswith("/overlap=2") else 1)
         assert r["median_ms"] > 0 and r["p10_ms"] > 0 and r["p90_ms"] >= r["p10_ms"]
-        # The all-reduce share is the time over the no-reduce program's (noisy on a tiny model,
-        # so checked for what it is, not for its value).
-        assert r["ar_ms"] == pytest.approx(r["median_ms"] - no_reduce_ms[r["seq_len"]])
+        # The all-reduce share is the time over the no-reduce program's of the same overlap
+        # chunks (noisy on a tiny model, so checked for what it is, not for its value).
+        no_reduce = no_reduce_ms[r["seq_len"], str(r["overlap_chunks"])]
+        assert r["ar_ms"] == pytest.approx(r["median_ms"] - no_reduce)
         assert r["ar_share"] == pytest.approx(r["ar_ms"] / r["median_ms"])
-        assert r["speedup"] > 0 and r["baseline"] == "psum"
+        assert r["speedup"] > 0 and r["baseline"] in ("psum", "psum/overlap=2")
         assert r["link_ms"] is None and r["link_efficiency"] is None
         assert r["top1_agree_vs_first"] >= 0.0
     for run in bench_json["runs"]:
-        assert run["no_reduce"]["median_ms"] > 0
+        assert run["no_reduce"]["median_ms"] > 0 and set(run["no_reduce_overlap"]) == {"2"}
         assert len(run["peak_rss_mib"]) == 1 and run["peak_rss_mib"][0] > 0
     assert bench_json["settings"]["link"] is None and bench_json["link_measurement"] is None
 
@@ -152,6 +159,21 @@ def test_comparisons_against_the_fastest_unquantized_method_and_the_measured_lin
     assert eq["link_ms"] == pytest.approx(16.777216)
     assert eq["link_efficiency"] == pytest.approx(16.777216 / 20)
     assert eq["PROJECTION"]["PCIe Gen4 x16"]["speedup_vs_psum"] > 1
+
+
+def test_an_overlapped_row_is_compared_with_the_compute_of_its_own_chunks():
+    overlapped = _row("psum/overlap=4", False, 80.0, 8 << 20) | {"overlap_chunks": 4}
+    result = {
+        "no_reduce": {"median_ms": 50.0},
+        "no_reduce_overlap": {"4": {"median_ms": 60.0}},
+        "rows": [_row("psum", False, 100.0, 8 << 20), overlapped],
+    }
+    add_comparisons(result)
+    psum, overlapped = result["rows"]
+    assert overlapped["baseline"] == "psum/overlap=4" and psum["speedup"] == pytest.approx(0.8)
+    # 20 ms of all-reduce left exposed over the chunked compute's 60 ms (psum: 50 of 50 ms)
+    assert overlapped["ar_ms"] == pytest.approx(20.0) and psum["ar_ms"] == pytest.approx(50.0)
+    assert overlapped["ar_share"] == pytest.approx(0.25)
 
 
 @needs_root

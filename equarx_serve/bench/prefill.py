@@ -13,7 +13,11 @@ interleaved. Reported per row:
                 quantize this prefill's messages (psum, psum-f32, ring, or a gated one)
   AR share      MEASURED: (t_method - t_no_reduce) / t_method, where NO-REDUCE is the same
                 program with every all-reduce replaced by the identity (the compute alone);
-                AR ms = t_method - t_no_reduce
+                AR ms = t_method - t_no_reduce (with --overlap-chunks, against the no-reduce
+                program of the same chunks: the all-reduce time the overlap leaves exposed)
+  overlap       --overlap-chunks K: rows `<method>/overlap=K` run the layers' row-parallel
+                sections on K token chunks, so that one chunk's all-reduce can be on the wire
+                while the next chunk's compute runs (`models.gemma3`, "Overlap")
   vs bytes      efficiency against the byte bound: speed-up / the speed-up the bytes alone
                 would give, t_base / (t_no_reduce + AR ms of the baseline x bytes ratio), with
                 bytes ratio = wire bytes / the baseline's (the compute does not shrink)
@@ -104,6 +108,7 @@ class PrefillBenchConfig:
     coordinator: str | None = None
     process_id: int = 0
     link: Link | None = None  # with processes: on emulated hosts joined by this link
+    overlap_chunks: tuple[int, ...] = (1,)  # token chunks of the overlap (1: none) to measure
 
 
 def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
@@ -145,6 +150,7 @@ def _run_worker(
         seed=config.seed,
         checkpoint=config.checkpoint,
         tokenizer=config.tokenizer,
+        overlap_chunks=config.overlap_chunks,
     )
     if config.coordinator:
         command += ["--coordinator", config.coordinator, "--num-processes", str(config.tp)]
@@ -165,13 +171,14 @@ def _run_worker(
 def add_comparisons(result: dict[str, object]) -> None:
     """Adds the baseline, speedup, ar_share, ar_ms, byte_bound_efficiency, link_ms and
     link_efficiency (None without a measured link, result["link"]) and the PROJECTION (vs
-    psum) to every row of one result."""
+    psum) to every row of one result. A row's compute is the no-reduce time of its own
+    overlap chunks (`no_reduce_time_ms`)."""
     rows = result["rows"]
-    t_none = result["no_reduce"]["median_ms"]
     unquantized = [row for row in rows if not row["quantized"]]
     baseline = min(unquantized, key=lambda row: row["median_ms"])  # psum is always measured
-    ar_base = baseline["median_ms"] - t_none
+    ar_base = baseline["median_ms"] - no_reduce_time_ms(result, baseline)
     for row in rows:
+        t_none = no_reduce_time_ms(result, row)
         row["baseline"] = baseline["label"]
         row["speedup"] = baseline["median_ms"] / row["median_ms"]
         row["ar_ms"] = row["median_ms"] - t_none
@@ -182,7 +189,15 @@ def add_comparisons(result: dict[str, object]) -> None:
         row["link_ms"] = links.link_time_ms(row["wire_bytes_hlo_total"], result.get("link"))
         measurable = row["link_ms"] is not None and row["ar_ms"] > 0
         row["link_efficiency"] = row["link_ms"] / row["ar_ms"] if measurable else None
-        row["PROJECTION"] = _projection(row, rows, t_none)
+        row["PROJECTION"] = _projection(row, rows, result["no_reduce"]["median_ms"])
+
+
+def no_reduce_time_ms(result: dict[str, object], row: dict[str, object]) -> float:
+    """The median of the no-reduce program with the row's overlap chunks (the whole-message
+    one for rows without overlap)."""
+    chunks = row.get("overlap_chunks", 1)
+    no_reduce = result["no_reduce"] if chunks == 1 else result["no_reduce_overlap"][str(chunks)]
+    return no_reduce["median_ms"]
 
 
 def _projection(row: dict, rows: list[dict], t_none: float) -> dict[str, dict[str, float]]:
@@ -255,12 +270,14 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
                 percent(row["link_efficiency"]), str(row["num_reductions"]), hlo,
                 f"{row['logits_rel_rms_vs_first']:.2e}", f"{row['top1_agree_vs_first']:.2f}",
             ])  # fmt: skip
-        nr = r["no_reduce"]
-        lines.append([
-            str(r["seq_len"]), "(no-reduce: compute only)", f"{nr['median_ms']:.1f}",
-            f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "0", "", "", "", "0", "", "",
-            "",
-        ])  # fmt: skip
+        no_reduce = [("", r["no_reduce"])]
+        no_reduce += [(f"/overlap={k}", nr) for k, nr in r.get("no_reduce_overlap", {}).items()]
+        for suffix, nr in no_reduce:
+            lines.append([
+                str(r["seq_len"]), f"(no-reduce{suffix}: compute only)", f"{nr['median_ms']:.1f}",
+                f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "0", "", "", "", "0", "",
+                "", "",
+            ])  # fmt: skip
     text += _format(lines)
     gated = sorted({row["label"] for r in results for row in r["rows"] if row["gated"]})
     if gated:
@@ -359,6 +376,7 @@ def write_json(
         "baseline_rule": "fastest median among methods that do not quantize the messages",
         "projection_baseline": BASELINE,
         "link": None if config.link is None else dataclasses.asdict(config.link),
+        "overlap_chunks": list(config.overlap_chunks),
         "repeats": "adaptive" if config.repeats is None else config.repeats,
         "seed": config.seed,
         "links": LINKS,
@@ -481,6 +499,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every number here")
     parser.add_argument("--plot", type=Path, metavar="PATH", help="write a latency plot (PNG)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--overlap-chunks",
+        nargs="+",
+        type=argument_type(int_at_least(1)),
+        default=[1],
+        metavar="K",
+        help="also measure every method with its layers' row-parallel sections on K token "
+        "chunks (all-reduce/compute overlap), rows METHOD/overlap=K (default: 1, none)",
+    )
     links.add_arguments(parser, argument_type)
     hosts = parser.add_argument_group(
         "several hosts", "run the same command on every host, each with its own --process-id"
@@ -522,6 +549,7 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         plot_path=args.plot,
         seed=args.seed,
         link=link,
+        overlap_chunks=tuple(sorted({1, *args.overlap_chunks})),
         coordinator=args.coordinator,
         process_id=args.process_id,
     )

@@ -11,9 +11,12 @@ by `jax.distributed` over gloo (`--coordinator`, `--num-processes`, `--process-i
 The model (`PrefillEngine.from_name`, bf16 parameters) is loaded and sharded once; each method
 gets an engine on the same sharded parameters, plus one on NO-REDUCE: an all-reduce that
 returns its input unchanged (numerically wrong, the same compute without the collectives),
-whose time is the prefill's compute. Input: `batch` prompts of `seq_len` random token ids
-(fixed seed; the special ids of the tokenizer and ids 0-4 are never drawn), right-padded to the
-engine's bucket (= seq_len when it is a power of two >= 16), logits at the last token only.
+whose time is the prefill's compute. With `--overlap-chunks` K > 1 (1 is always measured),
+every method and NO-REDUCE also get an engine whose layers run their row-parallel sections on
+K token chunks (`models.gemma3`, "Overlap"), labelled `<label>/overlap=K`. Input: `batch`
+prompts of `seq_len` random token ids (fixed seed; the special ids of the tokenizer and ids 0-4
+are never drawn), right-padded to the engine's bucket (= seq_len when it is a power of two
+>= 16), logits at the last token only.
 
 What is timed: each method's ahead-of-time compiled prefill program (the HLO gives the wire
 bytes and collective counts), run once untimed (its logits are compared with psum's), then once
@@ -57,6 +60,7 @@ __all__ = ["RESULT_MARKER", "NoReduce", "command", "measure", "parse_result"]
 
 MODULE = "equarx_serve.bench.prefill_worker"
 NO_REDUCE = "no-reduce"
+OVERLAP_LABEL = "{label}/overlap={chunks}"
 LOWEST_TOKEN_ID = 5  # never draw <pad> <eos> <bos> <unk> <mask> (ids 0-4)
 
 # Adaptive repeats: about TARGET_S of timed calls per program (from the slowest warm-up).
@@ -100,6 +104,11 @@ def _collective_counts(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def overlap_label(label: str, chunks: int) -> str:
+    """A row's label: the method's, and the overlap's chunk count unless 1."""
+    return label if chunks == 1 else OVERLAP_LABEL.format(label=label, chunks=chunks)
+
+
 def measure(
     model: str,
     methods: Sequence[dict],
@@ -110,8 +119,10 @@ def measure(
     seed: int,
     checkpoint: str | None = None,
     tokenizer: str | None = None,
+    overlap_chunks: Sequence[int] = (1,),
 ) -> dict[str, object]:
-    """Times every method (dicts of label, name, options) and no-reduce; see module doc."""
+    """Times every method (dicts of label, name, options) and no-reduce, at every chunk count
+    of `overlap_chunks`; see module doc."""
     tp = jax.device_count()
     load_start = time.perf_counter()
     base = PrefillEngine.from_name(model, tp, "psum", checkpoint, tokenizer)
@@ -123,9 +134,14 @@ def measure(
     num_elements = batch * bucket * config.embed_dim  # one all-reduce message, per device
     num_reductions = 2 * config.num_layers  # attention output and MLP output of every layer
 
-    engines = {m["label"]: base.with_all_reduce(get_all_reduce(m["name"], **m["options"]))
-               for m in methods}  # fmt: skip
-    engines[NO_REDUCE] = base.with_all_reduce(NoReduce())
+    all_chunks = sorted({1, *overlap_chunks})
+    all_reduces = [(m["label"], get_all_reduce(m["name"], **m["options"])) for m in methods]
+    engines, chunks_of = {}, {}
+    for chunks in all_chunks:
+        for label, ar in [*all_reduces, (NO_REDUCE, NoReduce())]:
+            key = overlap_label(label, chunks)
+            engines[key] = base.with_all_reduce(ar, overlap_chunks=chunks)
+            chunks_of[key] = chunks
     programs, rows = {}, {}
     reference = None
     for label, engine in engines.items():
@@ -143,16 +159,17 @@ def measure(
         err = logits - reference
         rows[label] = {
             "label": label,
+            "overlap_chunks": chunks_of[label],
             "name": ar.name,
             "options": ar.options(),
             "gated": ar.is_gated(num_elements, base.dtype),
             "quantized": ar.quantizes(num_elements, base.dtype),
             "compile_s": compile_s,
-            "num_reductions": 0 if label == NO_REDUCE else num_reductions,
+            "num_reductions": 0 if isinstance(ar, NoReduce) else num_reductions,
             "hlo_collectives": _collective_counts(hlo),
             "wire_bytes_hlo": hlo_bytes,
             "wire_bytes_hlo_total": sum(hlo_bytes.values()),
-            "wire_bytes_formula": (0 if label == NO_REDUCE else num_reductions)
+            "wire_bytes_formula": (0 if isinstance(ar, NoReduce) else num_reductions)
             * ar.wire_bytes(num_elements, base.dtype, tp),
             # From the HLO before optimization: XLA:CPU widens 16-bit all-reduces to f32 (the
             # optimized HLO), TPU and GPU reduce bf16 as bf16.
@@ -183,7 +200,7 @@ def measure(
         rows[label].update(stats)
     max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     peak_mib = gather_processes(np.array([max_rss_kib / 1024.0]))[:, 0]
-    no_reduce = rows.pop(NO_REDUCE)
+    no_reduce = {str(chunks): rows.pop(overlap_label(NO_REDUCE, chunks)) for chunks in all_chunks}
     return {
         "model": model,
         "model_info": base.info,
@@ -198,7 +215,8 @@ def measure(
         "repeats": repeats,
         "load_s": load_s,
         "peak_rss_mib": [round(float(m), 1) for m in peak_mib],
-        "no_reduce": no_reduce,
+        "no_reduce": no_reduce.pop("1"),  # the compute alone, whole messages
+        "no_reduce_overlap": no_reduce,  # {"K": the same, on K token chunks}, K > 1
         "rows": list(rows.values()),
     }
 
@@ -214,9 +232,11 @@ def command(
     seed: int,
     checkpoint: str | None = None,
     tokenizer: str | None = None,
+    overlap_chunks: Sequence[int] = (1,),
 ) -> list[str]:
     """The command line that runs this module (process flags are added by the launcher)."""
     args = ["--model", model, "--methods", json.dumps(list(methods))]
+    args += ["--overlap-chunks", *map(str, overlap_chunks)]
     args += ["--seq-len", str(seq_len), "--batch", str(batch), "--seed", str(seed)]
     if devices is not None:
         args += ["--devices", str(devices)]
@@ -236,6 +256,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, help="N host devices in this one process")
     parser.add_argument("--repeats", type=int, help="timed rounds (default: adaptive)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overlap-chunks", type=int, nargs="+", default=[1])
     parser.add_argument("--checkpoint")
     parser.add_argument("--tokenizer")
     multiprocess.add_process_flags(parser)
@@ -259,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         seed=args.seed,
         checkpoint=args.checkpoint,
         tokenizer=args.tokenizer,
+        overlap_chunks=args.overlap_chunks,
     )
     if jax.process_index() == 0:
         print(RESULT_MARKER, json.dumps(result), flush=True)
