@@ -30,6 +30,7 @@ from types import ModuleType
 
 from equarx_serve import demo, generate_command, serve_command
 from equarx_serve.bench import allreduce, compare, prefill
+from equarx_serve.cli_types import UsageError
 from eval import command as eval_command
 
 
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         return args.handler(args)
-    except allreduce.UsageError as e:
+    except UsageError as e:
         args.command_parser.error(str(e))  # exits with code 2
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from equarx_serve import processes
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
 
 if TYPE_CHECKING:

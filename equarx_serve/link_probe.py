@@ -24,6 +24,8 @@ import sys
 import time
 from collections.abc import Sequence
 
+from equarx_serve.cli_types import argument_type, positive_seconds
+
 READY_LINE = "READY"
 WARM_UP_FRACTION = 0.2
 CHUNK_BYTES = 1 << 20
@@ -72,22 +74,15 @@ def send(host: str, port: int, seconds: float) -> None:
             connection.sendall(payload)
 
 
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"seconds must be > 0, got {text!r}")
-    return value
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     roles = parser.add_subparsers(dest="role", required=True)
     receiver = roles.add_parser("receive")
     receiver.add_argument("--port", type=int, required=True)
-    receiver.add_argument("--seconds", type=_positive_seconds, required=True)
+    receiver.add_argument("--seconds", type=argument_type(positive_seconds), required=True)
     sender = roles.add_parser("send")
     sender.add_argument("--to", required=True, metavar="HOST:PORT")
-    sender.add_argument("--seconds", type=_positive_seconds, required=True)
+    sender.add_argument("--seconds", type=argument_type(positive_seconds), required=True)
     args = parser.parse_args(argv)
     if args.role == "receive":
         result = receive(args.port, args.seconds)

@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
 
 DEFAULT_MODEL = "gemma3-270m"

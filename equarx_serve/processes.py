@@ -44,7 +44,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from equarx_serve.bench import links
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least, positive_seconds
 from equarx_serve.devices import DEVICE_COUNT_FLAG, set_host_device_count
 
 if TYPE_CHECKING:
@@ -107,19 +107,12 @@ def add_process_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--follower-timeout",
-        type=argument_type(_positive_seconds),
+        type=argument_type(positive_seconds),
         default=DEFAULT_FOLLOWER_TIMEOUT_S,
         metavar="S",
         help="a process silent this long (stopped, hung) is lost (default: %(default)s)",
     )
     links.add_arguments(group, argument_type)
-
-
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise ValueError(f"must be > 0, got {text}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,7 +44,7 @@ import threading
 from typing import Any
 
 from equarx_serve import processes
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
 
 DEFAULT_MAX_BATCH = 8

@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
 from equarx_serve.model_args import add_model_arguments, check_model_arguments
 from eval import harness

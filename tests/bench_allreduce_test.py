@@ -10,6 +10,7 @@ from cluster_helpers import needs_root
 
 from equarx_serve import cli, cluster
 from equarx_serve.bench import allreduce
+from equarx_serve.cli_types import UsageError
 from equarx_serve.collectives.registry import parse_method
 
 MIB = 1 << 20
@@ -132,7 +133,7 @@ def test_pre_rotated_adds_a_row_for_each_method_with_a_foldable_rotation():
     ],
 )
 def test_pre_rotated_rejects_what_it_cannot_time(methods, sizes, message):
-    with pytest.raises(allreduce.UsageError, match=message):
+    with pytest.raises(UsageError, match=message):
         allreduce.resolve_methods([parse_method(m) for m in methods], pre_rotated=True, sizes=sizes)
 
 

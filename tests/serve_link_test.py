@@ -15,7 +15,7 @@ from _serving import wait_healthy
 from cluster_helpers import needs_root
 
 from equarx_serve import processes
-from equarx_serve.bench.allreduce import UsageError
+from equarx_serve.cli_types import UsageError
 from equarx_serve.cluster import Cluster, Link
 from equarx_serve.multiprocess import free_port
 from equarx_serve.port_forward import forward_into

@@ -42,11 +42,12 @@ import platform
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equarx_serve.bench import links
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 
@@ -59,10 +60,6 @@ BF16_BYTES = 2
 
 _UNITS = {"": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}
 _SIZE = re.compile(r"(?P<count>\d+)\s*(?P<unit>[kmg]ib)?", re.IGNORECASE)
-
-
-class UsageError(Exception):
-    """A bad command line, reported as a usage error (exit code 2) without a traceback."""
 
 
 def parse_size(text: str) -> int:
@@ -384,27 +381,6 @@ def run(config: BenchConfig) -> int:
         write_plot(results, config.plot_path, config.link)
         print(f"wrote {config.plot_path}")
     return 0
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        if not re.fullmatch(r"\s*\d+\s*", text) or int(text) < minimum:
-            raise ValueError(f"invalid value {text!r}: must be an integer >= {minimum}")
-        return int(text)
-
-    return parse
-
-
-def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """`parse` for argparse: its ValueError message becomes the usage error."""
-
-    def argument_type(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-
-    return argument_type
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

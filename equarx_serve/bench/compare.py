@@ -56,8 +56,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from equarx_serve.bench.allreduce import UsageError, argument_type, int_at_least
 from equarx_serve.bench.prefill import _seq_len
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.devices import set_host_device_count
 from equarx_serve.model_args import add_model_arguments, check_model_arguments

@@ -49,13 +49,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equarx_serve.bench import links
-from equarx_serve.bench.allreduce import (
-    UsageError,
-    argument_type,
-    int_at_least,
-    percent,
-    resolve_methods,
-)
+from equarx_serve.bench.allreduce import percent, resolve_methods
+from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 

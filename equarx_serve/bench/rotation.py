@@ -33,7 +33,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.bench.allreduce import argument_type, format_size, int_at_least, parse_size
+from equarx_serve.bench.allreduce import format_size, parse_size
+from equarx_serve.cli_types import argument_type, int_at_least
 
 AXIS = "x"
 QUANT_BLOCK = 64
