@@ -681,22 +681,47 @@ class Gemma3Shard(nn.Module):
         copies (transposes) the q, k/v, output and gating weights into other layouts on every
         step: at 270M, TP = 2 that was the decode step's largest cost (a profile: 324 copy
         thunks a step, more time than every matmul)."""
-        c, reduction = self.config, self.reduction
-        attn, mlp = p["attn"], p["mlp"]
+        c = self.config
         b, d = x.shape
-        reduced_shape = (b, 1, d)  # the all-reduce messages: [B, 1, D], as `Block`'s
-        rotated = reduction.rotated(reduced_shape, x.dtype)
+        # The all-reduce messages are [B, 1, D], as `Block`'s.
+        rotated = self.reduction.rotated((b, 1, d), x.dtype)
+        all_reduce = self.reduction.all_reduce_for(rotated)
+        reduce = lambda partial: all_reduce(partial[:, None], self.axis_name)[:, 0]
         suffix = ROTATED if rotated else ""
-        reduce = functools.partial(reduction.all_reduce_for(rotated), axis_name=self.axis_name)
 
-        # Attention: queries [B, 1, N, H], keys and values [B, 1, K, H].
         normed = rms_norm(x, p["pre_attention_norm"]["scale"])
+        cache, encoded = self._decode_attention(block, p["attn"], normed, positions, cache)
+        w_out = p["attn"]["attn_vec_einsum"]["w" + suffix]  # [N, H, D]
+        attn_output = reduce(jnp.dot(encoded.reshape(b, -1), w_out.reshape(-1, d)))
+        if c.use_post_attn_norm:
+            attn_output = rms_norm(attn_output, p["post_attention_norm"]["scale"])
+        attn_output = attn_output + x
+
+        normed = rms_norm(attn_output, p["pre_ffw_norm"]["scale"])
+        w_gating = p["mlp"]["gating_einsum"]
+        if c.transpose_gating_einsum:  # [2, F, D]: one dot on its [2 F, D] view
+            gate = lax.dot_general(normed, w_gating.reshape(-1, d), (((1,), (1,)), ((), ())))
+            gate = gate.reshape(b, 2, -1)  # [B, 2, F]
+        else:  # [2, D, F]
+            gate = jnp.swapaxes(_per_head(normed, w_gating), 0, 1)  # [B, 2, F]
+        activations = nn.gelu(gate[:, 0]) * gate[:, 1]  # [B, F]
+        outputs = reduce(jnp.dot(activations, p["mlp"]["linear" + suffix]))
+        if c.use_post_ffw_norm:
+            outputs = rms_norm(outputs, p["post_ffw_norm"]["scale"])
+        return cache, outputs + attn_output
+
+    def _decode_attention(
+        self, block: Block, attn: Params, x: jax.Array, positions: jax.Array, cache: LayerCache
+    ) -> tuple[LayerCache, jax.Array]:
+        """`Attention` before its output projection, for x [B, D] (normed) at positions [B]:
+        -> (the cache with the new k/v at index positions, this device's heads [B, 1, N, H])."""
+        c = self.config
         if "qkv_einsum" in attn:
-            q, k, v = jnp.split(_per_head(normed, attn["qkv_einsum"]["w"]), 3)  # [N, B, H]
+            q, k, v = jnp.split(_per_head(x, attn["qkv_einsum"]["w"]), 3)  # [N, B, H]
         else:
-            q = _per_head(normed, attn["q_einsum"]["w"])  # [N, B, H]
-            k, v = jnp.split(_per_head(normed, attn["kv_einsum"]["w"]), 2)  # [K, B, H]
-        q, k, v = (jnp.swapaxes(t, 0, 1)[:, None] for t in (q, k, v))
+            q = _per_head(x, attn["q_einsum"]["w"])  # [N, B, H]
+            k, v = jnp.split(_per_head(x, attn["kv_einsum"]["w"]), 2)  # [K, B, H]
+        q, k, v = (jnp.swapaxes(t, 0, 1)[:, None] for t in (q, k, v))  # [B, 1, heads, H]
         local = block.attn_type == AttentionType.LOCAL_SLIDING
         rope = dict(
             base_frequency=c.local_base_frequency if local else c.global_base_frequency,
@@ -707,7 +732,7 @@ class Gemma3Shard(nn.Module):
             k = rms_norm(k, attn["_key_norm"]["scale"])
         q = apply_rope(q, positions[:, None], **rope) * c.query_scale
         k = apply_rope(k, positions[:, None], **rope)
-        rows = jnp.arange(b)
+        rows = jnp.arange(x.shape[0])
         cache = {
             "k": cache["k"].at[rows, positions].set(k[:, 0]),  # [B, S, K, H]
             "v": cache["v"].at[rows, positions].set(v[:, 0]),
@@ -716,28 +741,8 @@ class Gemma3Shard(nn.Module):
         attn_mask = key_positions[None, None, :] <= positions[:, None, None]  # [B, 1, S]
         encoded = block.attn._attend(
             q, cache, positions[:, None], attn_mask, None, local=local, decoding=True
-        )  # [B, 1, N, H]
-        w_out = attn["attn_vec_einsum"]["w" + suffix]  # [N, H, D]
-        partial = jnp.dot(encoded.reshape(b, -1), w_out.reshape(-1, d))  # [B, D]
-        attn_output = reduce(partial[:, None])[:, 0]
-        if c.use_post_attn_norm:
-            attn_output = rms_norm(attn_output, p["post_attention_norm"]["scale"])
-        attn_output = attn_output + x
-
-        # MLP.
-        normed = rms_norm(attn_output, p["pre_ffw_norm"]["scale"])
-        w_gating = mlp["gating_einsum"]
-        if c.transpose_gating_einsum:  # [2, F, D]: one dot on its [2 F, D] view
-            gate = lax.dot_general(normed, w_gating.reshape(-1, d), (((1,), (1,)), ((), ())))
-            gate = gate.reshape(b, 2, -1)  # [B, 2, F]
-        else:  # [2, D, F]
-            gate = jnp.swapaxes(_per_head(normed, w_gating), 0, 1)  # [B, 2, F]
-        activations = nn.gelu(gate[:, 0]) * gate[:, 1]  # [B, F]
-        partial = jnp.dot(activations, mlp["linear" + suffix])  # [B, D]
-        outputs = reduce(partial[:, None])[:, 0]
-        if c.use_post_ffw_norm:
-            outputs = rms_norm(outputs, p["post_ffw_norm"]["scale"])
-        return cache, outputs + attn_output
+        )
+        return cache, encoded
 
 
 def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:
