@@ -444,16 +444,21 @@ class Einsum(nn.Module):
         return jnp.einsum(eqn, x, w)
 
 
+def rms_norm(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """RMSNorm of x over its last axis, scaled by (1 + scale) (`RMSNorm`'s computation)."""
+    var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+    normed = x * lax.rsqrt(var + 1e-06)
+    scale = jnp.expand_dims(scale, axis=range(x.ndim - 1))
+    return normed * (1 + scale)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last axis, scaled by (1 + scale)."""
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.zeros_init(), (x.shape[-1],))
-        var = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        normed = x * lax.rsqrt(var + 1e-06)
-        scale = jnp.expand_dims(scale, axis=range(x.ndim - 1))
-        return normed * (1 + scale)
+        return rms_norm(x, scale)
 
 
 class Embedder(nn.Module):
@@ -767,16 +772,99 @@ class Gemma3Shard(nn.Module):
         already in its cache: the new token's position and cache index), cache
         {"layer_i": {"k", "v"}} local [B, S, K_local, H] -> (this device's logits [B, V / T],
         the cache with the new k/v at index lengths). The token attends over cache positions
-        <= its own."""
-        x = self.embedder.encode(tokens[:, None])  # [B, 1, D]
-        positions = lengths[:, None]  # [B, 1]
-        key_positions = jnp.arange(cache["layer_0"]["k"].shape[1])  # [S]
-        attn_mask = key_positions[None, None, :] <= positions[:, :, None]  # [B, 1, S]
+        <= its own. The layers' computation is `Block`'s, written on the weights as stored
+        (see `_decode_block`)."""
+        params = self.variables["params"]
+        x = self.embedder.encode(tokens[:, None])[:, 0]  # [B, D]
         new_cache = {}
         for i, block in enumerate(self.blocks):
-            new_cache[f"layer_{i}"], x = block(x, positions, attn_mask, cache=cache[f"layer_{i}"])
-        x = self.final_norm(x)[:, 0]  # [B, D]
+            name = f"layer_{i}"
+            new_cache[name], x = self._decode_block(block, params[name], x, lengths, cache[name])
+        x = rms_norm(x, params["final_norm"]["scale"])  # [B, D]
         return self.embedder.decode(x), new_cache
+
+    def _decode_block(
+        self, block: Block, p: Params, x: jax.Array, positions: jax.Array, cache: LayerCache
+    ) -> tuple[LayerCache, jax.Array]:
+        """`Block` for one new token per row, x [B, D] at positions [B] -> (the cache with its
+        k/v written at index positions, [B, D]).
+
+        Every matmul reads its weight in the layout it is stored in: a 2-D dot, or a dot
+        batched over the weight's leading (head) axis. Written as `Block`'s einsums, XLA:CPU
+        copies (transposes) the q, k/v, output and gating weights into other layouts on every
+        step (270M, TP = 2: 324 copy thunks a step, the largest item of a profile taken on a
+        loaded CPU; on a quiet one the step measured the same within noise, and the logits
+        are bit-identical)."""
+        c = self.config
+        b, d = x.shape
+        # The all-reduce messages are [B, 1, D], as `Block`'s.
+        rotated = self.reduction.rotated((b, 1, d), x.dtype)
+        all_reduce = self.reduction.all_reduce_for(rotated)
+        reduce = lambda partial: all_reduce(partial[:, None], self.axis_name)[:, 0]
+        suffix = ROTATED if rotated else ""
+
+        normed = rms_norm(x, p["pre_attention_norm"]["scale"])
+        cache, encoded = self._decode_attention(block, p["attn"], normed, positions, cache)
+        w_out = p["attn"]["attn_vec_einsum"]["w" + suffix]  # [N, H, D]
+        attn_output = reduce(jnp.dot(encoded.reshape(b, -1), w_out.reshape(-1, d)))
+        if c.use_post_attn_norm:
+            attn_output = rms_norm(attn_output, p["post_attention_norm"]["scale"])
+        attn_output = attn_output + x
+
+        normed = rms_norm(attn_output, p["pre_ffw_norm"]["scale"])
+        w_gating = p["mlp"]["gating_einsum"]
+        if c.transpose_gating_einsum:  # [2, F, D]: one dot on its [2 F, D] view
+            gate = lax.dot_general(normed, w_gating.reshape(-1, d), (((1,), (1,)), ((), ())))
+            gate = gate.reshape(b, 2, -1)  # [B, 2, F]
+        else:  # [2, D, F]
+            gate = jnp.swapaxes(_per_head(normed, w_gating), 0, 1)  # [B, 2, F]
+        activations = nn.gelu(gate[:, 0]) * gate[:, 1]  # [B, F]
+        outputs = reduce(jnp.dot(activations, p["mlp"]["linear" + suffix]))
+        if c.use_post_ffw_norm:
+            outputs = rms_norm(outputs, p["post_ffw_norm"]["scale"])
+        return cache, outputs + attn_output
+
+    def _decode_attention(
+        self, block: Block, attn: Params, x: jax.Array, positions: jax.Array, cache: LayerCache
+    ) -> tuple[LayerCache, jax.Array]:
+        """`Attention` before its output projection, for x [B, D] (normed) at positions [B]:
+        -> (the cache with the new k/v at index positions, this device's heads [B, 1, N, H])."""
+        c = self.config
+        if "qkv_einsum" in attn:
+            q, k, v = jnp.split(_per_head(x, attn["qkv_einsum"]["w"]), 3)  # [N, B, H]
+        else:
+            q = _per_head(x, attn["q_einsum"]["w"])  # [N, B, H]
+            k, v = jnp.split(_per_head(x, attn["kv_einsum"]["w"]), 2)  # [K, B, H]
+        q, k, v = (jnp.swapaxes(t, 0, 1)[:, None] for t in (q, k, v))  # [B, 1, heads, H]
+        local = block.attn_type == AttentionType.LOCAL_SLIDING
+        rope = dict(
+            base_frequency=c.local_base_frequency if local else c.global_base_frequency,
+            scale_factor=c.local_scale_factor if local else c.global_scale_factor,
+        )
+        if c.use_qk_norm:
+            q = rms_norm(q, attn["_query_norm"]["scale"])
+            k = rms_norm(k, attn["_key_norm"]["scale"])
+        q = apply_rope(q, positions[:, None], **rope) * c.query_scale
+        k = apply_rope(k, positions[:, None], **rope)
+        rows = jnp.arange(x.shape[0])
+        cache = {
+            "k": cache["k"].at[rows, positions].set(k[:, 0]),  # [B, S, K, H]
+            "v": cache["v"].at[rows, positions].set(v[:, 0]),
+        }
+        key_positions = jnp.arange(cache["k"].shape[1])  # [S]
+        attn_mask = key_positions[None, None, :] <= positions[:, None, None]  # [B, 1, S]
+        encoded = block.attn._attend(
+            q, cache, positions[:, None], attn_mask, None, local=local, decoding=True
+        )
+        return cache, encoded
+
+
+def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [B, D] and a weight [..., D, H] whose leading axes (heads, and q/k/v or gate/up) are
+    G in all -> [G, B, H]: a matmul batched over the G heads, reading w as stored."""
+    w = w.reshape(-1, *w.shape[-2:])  # [G, D, H]
+    xs = jnp.broadcast_to(x, (w.shape[0], *x.shape))  # [G, B, D]
+    return lax.dot_general(xs, w, (((2,), (1,)), ((0,), (0,))))
 
 
 # -- The tensor-parallel forward pass -----------------------------------------------------------
