@@ -779,7 +779,10 @@ class Gemma3Shard(nn.Module):
         new_cache = {}
         for i, block in enumerate(self.blocks):
             name = f"layer_{i}"
-            new_cache[name], x = self._decode_block(block, params[name], x, lengths, cache[name])
+            with jax.named_scope(name):  # op names as `Block`'s: `layers_hlo` finds the layers
+                new_cache[name], x = self._decode_block(
+                    block, params[name], x, lengths, cache[name]
+                )
         x = rms_norm(x, params["final_norm"]["scale"])  # [B, D]
         return self.embedder.decode(x), new_cache
 
