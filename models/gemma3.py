@@ -334,6 +334,14 @@ def last_token_index(input_mask: jax.Array) -> jax.Array:
     return jnp.max(jnp.where(input_mask, jnp.arange(seq_len), 0), axis=-1)
 
 
+def rope_settings(config: Gemma3Config, local: bool) -> dict[str, float]:
+    """`apply_rope`'s base frequency and scale factor for a local (sliding) or global layer."""
+    return dict(
+        base_frequency=config.local_base_frequency if local else config.global_base_frequency,
+        scale_factor=config.local_scale_factor if local else config.global_scale_factor,
+    )
+
+
 def apply_rope(
     x: jax.Array, positions: jax.Array, *, base_frequency: int, scale_factor: float
 ) -> jax.Array:
@@ -552,17 +560,12 @@ class Attention(nn.Module):
         positions: jax.Array,
         attn_mask: jax.Array,
         input_mask: jax.Array | None = None,
-        cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
         """As `__call__`, up to the row-parallel projection: (cache, this device's heads'
         attention output [B, T, N, H])."""
         c = self.config
         local = self.attn_type == AttentionType.LOCAL_SLIDING
-        decoding = cache is not None
-        rope = dict(
-            base_frequency=c.local_base_frequency if local else c.global_base_frequency,
-            scale_factor=c.local_scale_factor if local else c.global_scale_factor,
-        )
+        rope = rope_settings(c, local)
         if self.use_qkv_einsum:
             # [B, L, N, H] each
             query, key, value = self.qkv_einsum("BTD,CNDH->CBTNH", x)
@@ -575,16 +578,9 @@ class Attention(nn.Module):
             key = self._key_norm(key)
         query = apply_rope(query, positions, **rope) * c.query_scale
         key = apply_rope(key, positions, **rope)
-        if cache is None:
-            cache = {"k": key, "v": value}
-        else:
-            rows, index = jnp.arange(key.shape[0]), positions[:, 0]  # [B], [B]
-            cache = {
-                "k": cache["k"].at[rows, index].set(key[:, 0]),  # [B, S, K, H]
-                "v": cache["v"].at[rows, index].set(value[:, 0]),  # [B, S, K, H]
-            }
+        cache = {"k": key, "v": value}
         encoded = self._attend(
-            query, cache, positions, attn_mask, input_mask, local=local, decoding=decoding
+            query, cache, positions, attn_mask, input_mask, local=local, decoding=False
         )
         return cache, encoded
 
@@ -610,14 +606,12 @@ class Attention(nn.Module):
         positions: jax.Array,
         attn_mask: jax.Array,
         input_mask: jax.Array | None = None,
-        cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
         """Prefill: x [B, L, D], positions [B, L], attn_mask [B, L, L] (causal over real
-        tokens), input_mask [B, L] -> (cache [B, L, K, H], [B, L, D]). Decode (`cache` given,
-        [B, S, K, H]): x [B, 1, D] is each sequence's new token at positions [B, 1]; its k/v
-        are written at that index of the cache (index == position: right-padded prompts) and
-        it attends over attn_mask [B, 1, S] -> (the updated cache, [B, 1, D])."""
-        cache, encoded = self.attend(x, positions, attn_mask, input_mask, cache)
+        tokens), input_mask [B, L] -> (cache [B, L, K, H], [B, L, D]). Decode steps do not
+        run through here: `Gemma3Shard._decode_attention` computes the same attention for one
+        new token a row, reading the weights as stored."""
+        cache, encoded = self.attend(x, positions, attn_mask, input_mask)
         return cache, self.project(encoded)
 
 
@@ -680,15 +674,15 @@ class Block(nn.Module):
         positions: jax.Array,
         attn_mask: jax.Array,
         input_mask: jax.Array | None = None,
-        cache: LayerCache | None = None,
     ) -> tuple[LayerCache, jax.Array]:
-        """x [B, L, D] (replicated) -> (cache, [B, L, D] replicated); with `cache`, one decode
-        step (see `Attention`). A prefill with `overlap_chunks` > 1 (untraced) runs everything
-        after the attention itself chunk by chunk (see "Overlap" in the module doc)."""
+        """A prefill: x [B, L, D] (replicated) -> (cache, [B, L, D] replicated); decode steps
+        run `Gemma3Shard._decode_block` instead. A prefill with `overlap_chunks` > 1
+        (untraced) runs everything after the attention itself chunk by chunk (see "Overlap" in
+        the module doc)."""
         normed = self.pre_attention_norm(x)
         bounds = self.reduction.chunk_bounds(x.shape[1])
-        if cache is not None or len(bounds) == 1 or self.is_mutable_collection(TRACE):
-            cache, attn_output = self.attn(normed, positions, attn_mask, input_mask, cache)
+        if len(bounds) == 1 or self.is_mutable_collection(TRACE):
+            cache, attn_output = self.attn(normed, positions, attn_mask, input_mask)
             attn_output = self._attention_residual(x, attn_output)
             return cache, self._mlp_residual(attn_output, self.mlp(self.pre_ffw_norm(attn_output)))
         cache, encoded = self.attn.attend(normed, positions, attn_mask, input_mask)
@@ -840,10 +834,7 @@ class Gemma3Shard(nn.Module):
             k, v = jnp.split(_per_head(x, attn["kv_einsum"]["w"]), 2)  # [K, B, H]
         q, k, v = (jnp.swapaxes(t, 0, 1)[:, None] for t in (q, k, v))  # [B, 1, heads, H]
         local = block.attn_type == AttentionType.LOCAL_SLIDING
-        rope = dict(
-            base_frequency=c.local_base_frequency if local else c.global_base_frequency,
-            scale_factor=c.local_scale_factor if local else c.global_scale_factor,
-        )
+        rope = rope_settings(c, local)
         if c.use_qk_norm:
             q = rms_norm(q, attn["_query_norm"]["scale"])
             k = rms_norm(k, attn["_key_norm"]["scale"])
