@@ -17,8 +17,12 @@ demo: $(STAMP)
 	$(VENV)/bin/equarx-serve demo
 
 # pytest's exit code 5 (no tests collected) means a broken set-up: it fails like any other.
+# Two pytest-xdist workers, each taking whole test files (their module fixtures and cached
+# engines built once), in file-name order: many tests wait on subprocesses or compile on one
+# core. Tests of emulated hosts take a machine-wide lock (tests/conftest.py).
+PYTEST_PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
-	@$(PY) -m pytest -q; rc=$$?; \
+	@$(PY) -m pytest -q $(PYTEST_PARALLEL); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests: the set-up is broken" >&2; fi; \
 	exit $$rc
 

@@ -1,6 +1,8 @@
-"""What the tests of emulated hosts share: the skip marker for tests that need root."""
+"""What the tests of emulated hosts share: the marker for tests that need root."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 
@@ -16,6 +18,14 @@ def missing_privileges() -> str | None:
     return None
 
 
-needs_root = pytest.mark.skipif(
+_skip_without_root = pytest.mark.skipif(
     missing_privileges() is not None, reason=f"needs root: {missing_privileges()}"
 )
+# conftest.py's fixture: one test of emulated hosts at a time on this machine.
+_alone = pytest.mark.usefixtures("emulated_hosts_alone")
+
+
+def needs_root(test: Callable) -> Callable:
+    """Marks a test of emulated hosts: skipped without root, never beside another such test
+    (they check that nothing of theirs is left in the machine-wide namespaces)."""
+    return _alone(_skip_without_root(test))

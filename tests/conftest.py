@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import shutil
 import tempfile
@@ -15,8 +16,10 @@ set_host_device_count(8)
 # The suite compiles the same XLA programs many times over: every tiny engine's init and steps
 # (one engine per test module), every `serve` subprocess's. JAX's persistent compilation cache,
 # in a folder of this session's own (so each run, like a fresh clone, compiles everything once)
-# and inherited by the subprocesses through the environment, compiles each program once. The
-# executables are the same; what the tests check is not changed. An existing setting is kept.
+# and inherited through the environment by the subprocesses and by pytest-xdist's workers (which
+# `make test` starts after this ran), compiles each program once. The executables are the same;
+# what the tests check is not changed. An existing setting is kept. Two processes compiling one
+# program write the same entry; a read that meets a half-written file fails over to compiling.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache_dir = tempfile.mkdtemp(prefix="equarx-test-xla-cache-")
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
@@ -25,6 +28,8 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import functools  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,6 +40,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from equarx_serve.collectives import AllReduce  # noqa: E402
 
 AXIS = "tp"
+# Held by each test of emulated hosts (cluster_helpers.needs_root) for its whole run.
+EMULATED_HOSTS_LOCK = Path(tempfile.gettempdir()) / "equarx-test-emulated-hosts.lock"
 OUTLIER_CHANNELS = (3, 97, 511, 700)  # fixed hidden channels, the same on every device
 
 
@@ -117,3 +124,13 @@ def assert_replicas_identical(outputs: np.ndarray) -> None:
     bits = outputs.view(np.dtype(f"u{outputs.dtype.itemsize}"))
     for i in range(1, outputs.shape[0]):
         np.testing.assert_array_equal(bits[i], bits[0], err_msg=f"device {i} differs from 0")
+
+
+@pytest.fixture
+def emulated_hosts_alone() -> Iterator[None]:
+    """Runs the test while no other test of emulated hosts runs on this machine: `make test`
+    runs the suite on 2 workers (pytest-xdist), other checkouts' suites may run too, and these
+    tests count the machine-wide `equarx-*` namespaces and root interfaces before and after."""
+    with EMULATED_HOSTS_LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
