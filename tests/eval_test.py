@@ -307,8 +307,19 @@ def test_per_layer_error_covers_every_all_reduce_in_depth_order():
     assert all(site["born_error"] > 0 for site in per_layer)
 
 
-def test_cli_gate_exit_codes_and_reports(tmp_path, capsys):
+def test_cli_gate_exit_codes_and_reports(tmp_path, capsys, monkeypatch):
     mesh_of(2)
+    # Both thresholds name the same method: the second command's eval is the first one's, so
+    # it is run once and the second command gates its report.
+    runs: list[tuple[harness.EvalConfig, dict]] = []
+    run_eval = harness.run_eval
+
+    def run_eval_once(config: harness.EvalConfig, **kwargs) -> dict:
+        if not any(config == done for done, _ in runs):
+            runs.append((config, run_eval(config, **kwargs)))
+        return next(report for done, report in runs if done == config)
+
+    monkeypatch.setattr(harness, "run_eval", run_eval_once)
     passing = _thresholds(tmp_path, '[all]\nmax_nonfinite = 0\n[methods."equarx-int8"]\n'
                           "min_top1_agreement = 0\n")  # fmt: skip
     out = tmp_path / "out"
@@ -326,6 +337,7 @@ def test_cli_gate_exit_codes_and_reports(tmp_path, capsys):
     failing = _thresholds(tmp_path, '[methods."equarx-int8"]\nmin_top1_agreement = 1.01\n')
     assert cli.main(["eval", *flags, "--check", str(failing)]) == 1
     assert "FAIL  equarx-int8" in capsys.readouterr().out
+    assert len(runs) == 1
 
 
 @pytest.mark.parametrize(
