@@ -147,7 +147,7 @@ def pipelined_all_reduce(
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
 
     `prepare` maps each lane [N, R, B] to the values that are encoded (e.g. a rotation);
-    `decode` maps the all-gathered payloads (leaves [N, R, ...]) to f32 values [N, R, B]
+    `decode` maps all-gathered payloads (leaves [..., R, ...]) to f32 values [..., R, B]
     (default `codec.decode`; else a linear map of its values, since one-shot sums what it
     returns for each source's payload: e.g. the inverse rotation applied to int8 codes); and
     `finish` maps each reduced lane of those values to the output in `out_dtype` (e.g. the
