@@ -38,7 +38,7 @@ from equarx_serve.collectives import (
     registry,
 )
 from equarx_serve.collectives.base import ring_all_reduce_bytes
-from equarx_serve.collectives.hadamard import block_hadamard
+from equarx_serve.collectives.hadamard import block_hadamard, hadamard_codes
 
 BUILTINS = ["psum", "psum-f32", "ring", "naive-int8", "equarx-int8"]
 FLOAT_DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
@@ -135,7 +135,8 @@ def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match="blocksize") as e:
         get_all_reduce("equarx-int8", blocksize=128)
     valid = ["block_size", "scale_dtype", "rotation", "rotation_block", "fold_rotation",
-             "schedule", "bidirectional", "num_slices", "min_size_bytes", "kernel"]  # fmt: skip
+             "inverse", "schedule", "bidirectional", "num_slices", "min_size_bytes",
+             "kernel"]  # fmt: skip
     assert all(option in str(e.value) for option in valid)
     with pytest.raises(ValueError, match="block_size"):
         get_all_reduce("psum", block_size=128)
@@ -154,6 +155,9 @@ def test_unknown_option_lists_the_valid_ones():
         dict(rotation_block=100),
         dict(rotation_block=64, rotation=None),
         dict(fold_rotation=1),
+        dict(inverse="codez"),
+        dict(inverse="codes", rotation=None),
+        dict(inverse="codes", rotation_block=256),
         dict(bidirectional=1),
         dict(num_slices=0),
         dict(min_size_bytes=-1),
@@ -407,6 +411,91 @@ def test_block_hadamard_is_its_own_inverse_and_spreads_outliers():
 def test_block_hadamard_needs_a_power_of_two(block: int):
     with pytest.raises(ValueError, match="power-of-two"):
         block_hadamard(jnp.zeros((2, block)))
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_codes(jnp.zeros((2, block), jnp.int8))
+
+
+@pytest.mark.parametrize("block", [4, 16, 64, 256, 32, 128])
+def test_hadamard_codes_rotates_int8_codes(block: int):
+    codes = np.random.default_rng(block).integers(-128, 128, (5, 3, block)).astype(np.int8)
+    codes[0, 0] = -128  # the extremes: every sum's magnitude at its largest
+    codes[0, 1] = 127
+    got = np.asarray(hadamard_codes(jnp.asarray(codes)))
+    assert got.shape == codes.shape and got.dtype == np.float32
+    want = codes.astype(np.float64) @ sylvester(block) / np.sqrt(block)
+    if (block.bit_length() - 1) % 2 == 0:  # 1/sqrt(B) a power of two: exact
+        np.testing.assert_array_equal(got, want)
+    else:  # the exact integer sum times 1/sqrt(B) rounded to f32, rounded: within 2 roundings
+        np.testing.assert_allclose(got, want, rtol=2**-23, atol=0)
+    with pytest.raises(TypeError, match="int8"):
+        hadamard_codes(jnp.asarray(codes, jnp.int16))
+
+
+# --- the inverse rotation on the int8 codes ----------------------------------------------------
+
+
+def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
+    default = get_all_reduce("equarx-int8")
+    assert not default.inverse_on_codes(2)  # one-shot: one f32 product of the summed values
+    assert default.inverse_on_codes(4)  # two-shot: the owner's payload, rotated as codes
+    assert equarx(schedule="two-shot").inverse_on_codes(2)
+    assert equarx(schedule="ring").inverse_on_codes(8)
+    assert equarx(inverse="codes").inverse_on_codes(2)
+    assert not equarx(inverse="values").inverse_on_codes(4)
+    # Rotation groups other than the quantization blocks, or none: the values.
+    for other in (dict(rotation_block=128), dict(rotation=None), dict(block_size=256)):
+        assert not equarx(**other).inverse_on_codes(4), other
+
+
+INVERSE_CASES = [
+    (dict(schedule="two-shot"), 2, jnp.float32),
+    (dict(schedule="two-shot", num_slices=3), 4, jnp.bfloat16),
+    (dict(schedule="ring", bidirectional=True), 4, jnp.float32),
+    (dict(schedule="one-shot", inverse="codes"), 2, jnp.bfloat16),
+    (dict(schedule="two-shot", block_size=16, scale_dtype="bfloat16"), 8, jnp.float32),
+    (dict(schedule="two-shot", block_size=128), 4, jnp.float16),
+]
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["standalone", "pre-rotated"])
+@pytest.mark.parametrize(
+    ("config", "n", "dtype"),
+    INVERSE_CASES,
+    ids=lambda c: config_id(c) if isinstance(c, dict) else c,
+)
+def test_the_inverse_on_the_codes_matches_the_inverse_on_the_values(
+    config: dict, n: int, dtype, folded: bool
+):
+    codes = equarx(**config)
+    values = equarx(**{**config, "inverse": "values"})
+    assert codes.inverse_on_codes(n) and not values.inverse_on_codes(n)
+    x = data_of("outliers", n).astype(dtype)
+    if folded:
+        x = np.asarray(jax.jit(codes.foldable_rotation.apply)(x))
+        codes, values = codes.with_rotated_input(), values.with_rotated_input()
+    got, before = run_all_reduce(codes, x, n), run_all_reduce(values, x, n)
+    assert_replicas_identical(got)
+    # The same decoded sums, rounded in a different order (once instead of at the dequantize
+    # and at every product): f32 apart, and at most one rounding apart in a 16-bit output.
+    atol = np.abs(before.astype(np.float32)).max() * (2e-6 if dtype == jnp.float32 else 2**-8)
+    np.testing.assert_allclose(got.astype(np.float32), before.astype(np.float32), atol=atol)
+    exact = reference_sum(x.astype(np.float32))
+    if folded:
+        exact = np.asarray(jax.jit(codes.rotation.apply)(exact))
+    error = lambda y: np.sqrt(np.mean((y[0].astype(np.float64) - exact) ** 2))
+    assert error(got) <= error(before) * 1.001
+
+
+def test_nonfinite_codes_make_their_whole_rotation_block_nan_on_the_codes_path():
+    n, block = 2, 64
+    x = gaussian(n, (16 * block,), seed=5)
+    x[1, 70], x[0, 200] = np.nan, np.inf  # blocks 1 and 3
+    y = run_all_reduce(equarx(schedule="one-shot", inverse="codes"), x, n)
+    assert_replicas_identical(y)
+    expected_nonfinite = np.zeros(x.shape[1:], bool)
+    expected_nonfinite[block : 2 * block] = expected_nonfinite[3 * block : 4 * block] = True
+    np.testing.assert_array_equal(np.isnan(y[0]), expected_nonfinite)
+    assert rel_rms(y[:, ~expected_nonfinite], x[:, ~expected_nonfinite]) < 0.02
 
 
 # --- the Pallas kernel in the collective ------------------------------------------------------

@@ -12,13 +12,18 @@ once in an order rotated by one per round; a call is timed with `perf_counter` a
    into f32, as before (cast to f32, then the two radix-sqrt(B) stages, the "kronecker" form
    of `collectives.hadamard.block_hadamard`) and now (`block_hadamard` on the bf16 values:
    the dense [B, B] product up to B = 128, on the 16-bit values when the matrix is exact).
-2. Inside `equarx-int8` (block 64, default otherwise, size gate off) on `devices` fake CPU
+2. The inverse alone, one device: a decoded payload (int8 codes and f32 scales of blocks of
+   64, quantized from a bf16 message of `size` bytes) rotated back into bf16, on the values
+   (`decode` to f32, then the f32 product) and on the codes (`decode_rotated`: the codes'
+   int8 product, then the scales), as `equarx-int8`'s codec runs them.
+3. Inside `equarx-int8` (block 64, default otherwise, size gate off) on `devices` fake CPU
    devices in one process (`ppermute` is a memory copy), the message LLM-activation-like
    (`allreduce_worker.activations`): without rotation; the rotation inside the collective in
    the Kronecker form (the all-reduce before); inside in the dense form (the all-reduce a
-   user's shard_map gets now); folded into the weights (only the inverse runs: what the model
-   runs now, `with_rotated_input()`).
-3. The same four programs lowered for TPU (no TPU needed; the quantizer's XLA path, since the
+   user's shard_map gets); folded into the weights (only the inverse runs: what the model
+   runs, `with_rotated_input()`), with the default schedule and its default place for the
+   inverse, then one-shot and two-shot with the inverse on the values and on the codes.
+4. The same programs lowered for TPU (no TPU needed; the quantizer's XLA path, since the
    Pallas kernel is opaque to the count): FLOPs and bytes accessed from XLA's HLO cost analysis.
    These are counts from XLA's generic cost model, not a TPU timing.
 """
@@ -46,6 +51,14 @@ ALL_REDUCE_VARIANTS = (
     "inside, dense (now, standalone)",
     "folded, inverse only (now, model)",
 )
+# The folded form with the inverse placed explicitly: (label, schedule, inverse).
+INVERSE_VARIANTS = (
+    ("folded, one-shot, inverse on values", "one-shot", "values"),
+    ("folded, one-shot, inverse on codes", "one-shot", "codes"),
+    ("folded, two-shot, inverse on values", "two-shot", "values"),
+    ("folded, two-shot, inverse on codes", "two-shot", "codes"),
+)
+INVERSE_FORMS = ("values", "codes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +86,18 @@ def _time_side_by_side(programs: dict[str, Callable[[], Any]], repeats: int) -> 
     return {name: float(np.median(t)) * 1e3 for name, t in times.items()}
 
 
-def time_transform(sizes: Sequence[int], blocks: Sequence[int], repeats: int) -> list[Timing]:
+def _time_functions(functions: dict[str, Callable[[Any], Any]], x: Any, repeats: int):
+    """Median ms of each function of `x`, compiled ahead of time, timed side by side."""
     import jax
+
+    programs = {}
+    for name, function in functions.items():
+        compiled = jax.jit(function).lower(x).compile()
+        programs[name] = lambda compiled=compiled: compiled(x)
+    return _time_side_by_side(programs, repeats)
+
+
+def time_transform(sizes: Sequence[int], blocks: Sequence[int], repeats: int) -> list[Timing]:
     import jax.numpy as jnp
     import numpy as np
 
@@ -90,11 +113,30 @@ def time_transform(sizes: Sequence[int], blocks: Sequence[int], repeats: int) ->
                 ),
                 "now": lambda v, block=block: block_hadamard(v.reshape(-1, block)),
             }
-            programs = {}
-            for name, rotate in variants.items():
-                compiled = jax.jit(rotate).lower(x).compile()
-                programs[name] = lambda compiled=compiled, x=x: compiled(x)
-            timings.append(Timing(size, block, _time_side_by_side(programs, repeats)))
+            timings.append(Timing(size, block, _time_functions(variants, x, repeats)))
+    return timings
+
+
+def time_inverse(sizes: Sequence[int], repeats: int) -> list[Timing]:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from equarx_serve.collectives import get_all_reduce
+    from equarx_serve.collectives.hadamard import HadamardRotation
+    from equarx_serve.kernels.block_quantize import quantize_chunk_xla
+
+    codec = get_all_reduce("equarx-int8", block_size=QUANT_BLOCK).codec(jnp.bfloat16)
+    rotation = HadamardRotation(QUANT_BLOCK)
+    variants = {
+        "values": lambda p: rotation.apply(codec.decode(p, jnp.float32), out_dtype=jnp.bfloat16),
+        "codes": lambda p: codec.decode_rotated(p).astype(jnp.bfloat16),
+    }
+    timings = []
+    for size in sizes:
+        x = np.random.default_rng(SEED).standard_normal((1, size // 2 // QUANT_BLOCK, QUANT_BLOCK))
+        payload = jax.jit(quantize_chunk_xla, static_argnums=1)(jnp.asarray(x, jnp.float32), 0)
+        timings.append(Timing(size, QUANT_BLOCK, _time_functions(variants, payload, repeats)))
     return timings
 
 
@@ -116,12 +158,16 @@ def all_reduce_bodies() -> dict[str, tuple[Callable[[Any], Any], bool]]:
     rotated = get_all_reduce("equarx-int8", block_size=QUANT_BLOCK, min_size_bytes=0)
     plain = get_all_reduce("equarx-int8", block_size=QUANT_BLOCK, rotation=None, min_size_bytes=0)
     folded = rotated.with_rotated_input()
-    return {
+    bodies = {
         ALL_REDUCE_VARIANTS[0]: (lambda x: plain(x, AXIS), False),
         ALL_REDUCE_VARIANTS[1]: (lambda x: _rotate_inside(plain, "kronecker", x, AXIS), False),
         ALL_REDUCE_VARIANTS[2]: (lambda x: rotated(x, AXIS), False),
         ALL_REDUCE_VARIANTS[3]: (lambda x: folded(x, AXIS), True),
     }
+    for label, schedule, inverse in INVERSE_VARIANTS:
+        ar = dataclasses.replace(rotated, schedule=schedule, inverse=inverse).with_rotated_input()
+        bodies[label] = (lambda x, ar=ar: ar(x, AXIS), True)
+    return bodies
 
 
 def _sharded_program(body: Callable[[Any], Any], mesh: Any) -> Callable[[Any], Any]:
@@ -189,6 +235,7 @@ def tpu_costs(size: int, devices: int) -> dict[str, dict[str, float]]:
 
 def format_report(
     transform: list[Timing],
+    inverse: list[Timing],
     all_reduce: list[Timing],
     costs: dict[str, dict[str, float]],
     *,
@@ -203,26 +250,32 @@ def format_report(
             f"{format_size(t.size):>8} {t.block:>4} {before:>8.2f}ms {now:>8.2f}ms "
             f"{before / now:>8.2f}x"
         )
+    lines += [
+        "",
+        f"== the inverse alone (one device; int8 codes + f32 scales, block {QUANT_BLOCK} "
+        "-> rotated back, bf16) ==",
+        f"{'size':>8} {'values':>10} {'codes':>10} {'speed-up':>9}",
+    ]
+    for t in inverse:
+        values, codes = (t.median_ms[form] for form in INVERSE_FORMS)
+        lines.append(
+            f"{format_size(t.size):>8} {values:>8.2f}ms {codes:>8.2f}ms {values / codes:>8.2f}x"
+        )
     lines += ["", f"== equarx-int8 (block {QUANT_BLOCK}), {devices} fake CPU devices =="]
-    header = f"{'size':>8} " + " ".join(f"{name:>34}" for name in ALL_REDUCE_VARIANTS)
-    lines.append(header)
     for t in all_reduce:
         base = t.median_ms[ALL_REDUCE_VARIANTS[0]]
-        cells = [f"{format_size(t.size):>8}"]
-        for name in ALL_REDUCE_VARIANTS:
-            ms = t.median_ms[name]
-            cells.append(f"{f'{ms:.2f} ms ({ms / base:.2f}x)':>34}")
-        lines.append(" ".join(cells))
+        lines.append(f"{format_size(t.size)} (x: against {ALL_REDUCE_VARIANTS[0]})")
+        for name, ms in t.median_ms.items():
+            lines.append(f"{name:>40}: {ms:9.2f} ms ({ms / base:.2f}x)")
     lines += [
         "",
         f"== lowered for TPU, {format_size(cost_size)} message, per device "
         "(XLA's HLO cost analysis: counts, not a TPU timing) ==",
     ]
     base = costs[ALL_REDUCE_VARIANTS[0]]
-    for name in ALL_REDUCE_VARIANTS:
-        c = costs[name]
+    for name, c in costs.items():
         lines.append(
-            f"{name:>34}: {c['flops'] / 1e6:9.1f} MFLOP ({c['flops'] / base['flops']:.2f}x), "
+            f"{name:>40}: {c['flops'] / 1e6:9.1f} MFLOP ({c['flops'] / base['flops']:.2f}x), "
             f"{c['bytes_accessed'] / 2**20:8.1f} MiB accessed "
             f"({c['bytes_accessed'] / base['bytes_accessed']:.2f}x)"
         )
@@ -255,13 +308,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     set_host_device_count(args.devices)
     transform = time_transform(sizes, args.blocks, args.repeats)
+    inverse = time_inverse(sizes, args.repeats)
     all_reduce = time_all_reduce(sizes, args.devices, args.repeats)
     costs = tpu_costs(max(sizes), args.devices)
-    print(format_report(transform, all_reduce, costs, devices=args.devices, cost_size=max(sizes)))
+    report = format_report(
+        transform, inverse, all_reduce, costs, devices=args.devices, cost_size=max(sizes)
+    )
+    print(report)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {
             "transform": [dataclasses.asdict(t) for t in transform],
+            "inverse": [dataclasses.asdict(t) for t in inverse],
             "all_reduce": [dataclasses.asdict(t) for t in all_reduce],
             "tpu_costs": {"size": max(sizes), "devices": args.devices, "programs": costs},
             "repeats": args.repeats,

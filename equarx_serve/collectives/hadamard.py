@@ -23,6 +23,14 @@ f32 at full precision. Measured on XLA:CPU (2 cores, variants side by side, bf16
 in f32 the two-stage form is no faster at B = 64 and 128 (small [8, 8] products batch badly)
 and faster at B = 256. The radix-2 butterfly (B log2 B adds) ran slower than both: log2 B
 strided passes over memory. Every form maps onto GEMM units (TPU MXU, GPU tensor cores).
+
+`hadamard_codes(q)` rotates int8 codes (a block quantizer's, whose blocks are the rotation
+groups: H (s q) = s (H q), so the inverse rotation of a decoded block is its scale times the
+rotated codes): an int8 x int8 product with int32 sums, exact, then one multiply by
+1/sqrt(B). Measured on XLA:CPU (`bench.rotation`: a decoded payload back to bf16, B = 64,
+side by side): 17.2 ms at 16 MiB against 33.4 ms for dequantizing to f32 and the f32 product
+(0.39 vs 0.59 ms at 1 MiB); the codes as bf16 with the exact 16-bit product ran as fast as
+the int8 product at 16 MiB and 1.7x slower at 2 MiB (one side-by-side run).
 """
 
 from __future__ import annotations
@@ -88,6 +96,19 @@ def block_hadamard(
         "ij,...jk,kl->...il", h_rows, grid, h_cols, precision=lax.Precision.HIGHEST
     )  # [..., a, b]
     return rotated.reshape(x.shape)
+
+
+def hadamard_codes(codes: jax.Array) -> jax.Array:
+    """int8 [..., B] -> f32 [..., B], each row times the orthonormal H_B / sqrt(B): an int8
+    product with int32 sums (exact: |sum| <= 127 B) scaled once by 1/sqrt(B), so the result
+    is exact for B a power of 4 (B = 4, 16, 64, 256) and rounded once otherwise."""
+    block = codes.shape[-1]
+    _check_block(block)
+    if codes.dtype != jnp.int8:
+        raise TypeError(f"hadamard_codes rotates int8 codes, got {codes.dtype}")
+    h = jnp.asarray(hadamard_matrix(block), jnp.int8)
+    sums = jnp.dot(codes.reshape(-1, block), h, preferred_element_type=jnp.int32)  # [M, B]
+    return (sums.astype(jnp.float32) * (1.0 / math.sqrt(block))).reshape(codes.shape)
 
 
 @dataclasses.dataclass(frozen=True)

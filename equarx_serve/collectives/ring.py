@@ -7,7 +7,8 @@ all-reduce of `N*R*B` elements, a contiguous run of the flat message; the progra
 step-major, so while slice s is on the wire, slice s+1 is being encoded: the slices form a
 software pipeline that XLA's scheduler is free to overlap. Optional per-lane transforms
 (`prepare` before encoding, `finish` after decoding: the Hadamard rotation and its inverse)
-pipeline with them.
+pipeline with them; a `decode` hook may replace the codec's decoding of the reduced payloads
+by a linear map of it (the inverse rotation applied to the int8 codes, before their scales).
 
 Two reduce-scatters:
   ring      (N-1 hops) device i sends the running partial sum of chunk i - s*dir at step s;
@@ -129,6 +130,7 @@ def _shift_perm(axis_size: int, shift: int) -> list[tuple[int, int]]:
 
 
 LaneFn = Callable[[jax.Array], jax.Array]
+PayloadFn = Callable[[Payload], jax.Array]
 
 
 def pipelined_all_reduce(
@@ -139,23 +141,30 @@ def pipelined_all_reduce(
     schedule: str,
     out_dtype: jnp.dtype,
     prepare: LaneFn | None = None,
+    decode: PayloadFn | None = None,
     finish: LaneFn | None = None,
 ) -> jax.Array:
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
 
-    `prepare` maps each lane [N, R, B] to the values that are encoded (e.g. a rotation), and
-    `finish` maps each reduced lane, decoded in f32, to the output in `out_dtype` (e.g. the
-    inverse rotation); both per lane, so lane k's transforms can overlap lane k+1's transfer.
+    `prepare` maps each lane [N, R, B] to the values that are encoded (e.g. a rotation);
+    `decode` maps all-gathered payloads (leaves [..., R, ...]) to f32 values [..., R, B]
+    (default `codec.decode`; else a linear map of its values, since one-shot sums what it
+    returns for each source's payload: e.g. the inverse rotation applied to int8 codes); and
+    `finish` maps each reduced lane of those values to the output in `out_dtype` (e.g. the
+    inverse rotation). All per lane, so lane k's transforms can overlap lane k+1's transfer.
     """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
     keys = [(d, s) for d in range(num_dirs) for s in range(num_slices)]
     direction = {(d, s): 1 if d == 0 else -1 for d, s in keys}
     prepare = prepare or (lambda lane: lane)
+    decode = decode or (lambda payload: codec.decode(payload, jnp.float32))
     finish = finish or (lambda lane: lane.astype(out_dtype))
 
     if schedule == "one-shot":
-        return _one_shot_all_reduce(lanes, axis_name, codec, prepare=prepare, finish=finish)
+        return _one_shot_all_reduce(
+            lanes, axis_name, codec, prepare=prepare, decode=decode, finish=finish
+        )
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
@@ -201,7 +210,7 @@ def pipelined_all_reduce(
         else:
             with jax.named_scope("all_gather"):
                 in_place = all_gather_payload(payload[key], axis_name)  # chunk p from device p
-        decoded[key] = finish(codec.decode(in_place, jnp.float32))
+        decoded[key] = finish(decode(in_place))
     return jnp.stack(
         [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
     )
@@ -242,7 +251,13 @@ def all_gather_payload(payload: Payload, axis_name: str) -> Payload:
 
 
 def _one_shot_all_reduce(
-    lanes: jax.Array, axis_name: str, codec: Codec, *, prepare: LaneFn, finish: LaneFn
+    lanes: jax.Array,
+    axis_name: str,
+    codec: Codec,
+    *,
+    prepare: LaneFn,
+    decode: PayloadFn,
+    finish: LaneFn,
 ) -> jax.Array:
     """Every device encodes its whole lane once and all-gathers it (one collective per lane);
     every device decodes all N payloads, its own too, and sums them in f32 in rank order, so
@@ -258,7 +273,7 @@ def _one_shot_all_reduce(
                     *[codec.encode_chunk(values, jnp.int32(i)) for i in range(n)],
                 )  # leaves [N, R, ...]
                 by_rank = all_gather_payload(own, axis_name)  # [N (source rank), N, R, ...]
-                values = codec.decode(by_rank, jnp.float32)  # [N, N, R, B]
+                values = decode(by_rank)  # [N, N, R, B] f32
                 # Added one by one in rank order: one elementwise pass. (`jnp.sum` over the
                 # leading axis is a reduce that XLA:CPU runs ~4x slower, measured at 16 MiB.)
                 summed = functools.reduce(operator.add, [values[k] for k in range(n)])
@@ -331,10 +346,11 @@ class RingAllReduce(AllReduce):
         out_dtype: jnp.dtype,
         *,
         prepare: LaneFn | None = None,
+        decode: PayloadFn | None = None,
         finish: LaneFn | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
-        `out_dtype`; `prepare` and `finish` transform each lane (`pipelined_all_reduce`)."""
+        `out_dtype`; `prepare`, `decode` and `finish` are `pipelined_all_reduce`'s hooks."""
         layout = self.layout(x.size, axis_size)
         schedule = self.schedule_for(axis_size)
         with jax.named_scope(f"{self.name}_{schedule}".replace("-", "_")):
@@ -345,6 +361,7 @@ class RingAllReduce(AllReduce):
                 schedule=schedule,
                 out_dtype=out_dtype,
                 prepare=prepare,
+                decode=decode,
                 finish=finish,
             )
         return layout.from_lanes(reduced, x.shape)
