@@ -609,3 +609,28 @@ def test_wire_bytes_is_what_the_compiled_program_sends(ar: AllReduce, n: int, si
 @pytest.mark.parametrize("name", BUILTINS)
 def test_nothing_is_sent_over_an_axis_of_size_one(name: str):
     assert any_all_reduce(name).wire_bytes(4096, jnp.float32, 1) == 0
+
+
+def test_the_default_codec_follows_the_schedule_of_the_axis_size():
+    default = equarx()
+    one_shot, two_shot = default.for_axis_size(2), default.for_axis_size(4)
+    assert (one_shot.block_size, one_shot.scale_dtype) == (64, "float32")
+    assert (two_shot.block_size, two_shot.scale_dtype) == (32, "bfloat16")
+    assert one_shot.rotation_block == two_shot.rotation_block == default.input_rotation.block == 64
+    given = equarx(block_size=64).for_axis_size(4)  # a block size given alone: f32 scales
+    assert (given.block_size, given.scale_dtype, given.rotation_block) == (64, "float32", 64)
+    assert equarx(scale_dtype="float32").for_axis_size(8).block_size == 32
+    ring = get_all_reduce("ring")
+    for n in (2, 4, 8):  # every default codec sends 0.531x a 16-bit ring
+        assert default.wire_bytes(1 << 20, jnp.bfloat16, n) == pytest.approx(
+            0.531 * ring.wire_bytes(1 << 20, jnp.bfloat16, n), rel=2e-3
+        )
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_default_runs_the_codec_it_resolves_to(n: int):
+    x = llm_activations(n, tokens=300, hidden=1024).astype(jnp.bfloat16)
+    default = equarx()
+    np.testing.assert_array_equal(
+        run_all_reduce(default, x, n), run_all_reduce(default.for_axis_size(n), x, n)
+    )
