@@ -437,21 +437,26 @@ def test_hadamard_codes_rotates_int8_codes(block: int):
 def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     default = get_all_reduce("equarx-int8")
     assert not default.inverse_on_codes(2)  # one-shot: one f32 product of the summed values
-    assert default.inverse_on_codes(4)  # two-shot: the owner's payload, rotated as codes
-    assert equarx(schedule="two-shot").inverse_on_codes(2)
-    assert equarx(schedule="ring").inverse_on_codes(8)
-    assert equarx(inverse="codes").inverse_on_codes(2)
-    assert not equarx(inverse="values").inverse_on_codes(4)
+    # Two-shot's default codec has blocks of 32 in rotation groups of 64: the values.
+    assert not default.inverse_on_codes(4)
+    block_64 = get_all_reduce("equarx-int8", block_size=64)
+    assert block_64.inverse_on_codes(4)  # two-shot: the owner's payload, rotated as codes
+    assert equarx(block_size=64, schedule="two-shot").inverse_on_codes(2)
+    assert equarx(block_size=64, schedule="ring").inverse_on_codes(8)
+    assert equarx(block_size=64, inverse="codes").inverse_on_codes(2)
+    assert not equarx(block_size=64, inverse="values").inverse_on_codes(4)
+    with pytest.raises(ValueError, match="inverse='codes'"):
+        equarx(inverse="codes")  # the block size is left to the axis size
     # Rotation groups other than the quantization blocks, or none: the values.
     for other in (dict(rotation_block=128), dict(rotation=None), dict(block_size=256)):
         assert not equarx(**other).inverse_on_codes(4), other
 
 
 INVERSE_CASES = [
-    (dict(schedule="two-shot"), 2, jnp.float32),
-    (dict(schedule="two-shot", num_slices=3), 4, jnp.bfloat16),
-    (dict(schedule="ring", bidirectional=True), 4, jnp.float32),
-    (dict(schedule="one-shot", inverse="codes"), 2, jnp.bfloat16),
+    (dict(schedule="two-shot", block_size=64), 2, jnp.float32),
+    (dict(schedule="two-shot", block_size=64, num_slices=3), 4, jnp.bfloat16),
+    (dict(schedule="ring", block_size=64, bidirectional=True), 4, jnp.float32),
+    (dict(schedule="one-shot", block_size=64, inverse="codes"), 2, jnp.bfloat16),
     (dict(schedule="two-shot", block_size=16, scale_dtype="bfloat16"), 8, jnp.float32),
     (dict(schedule="two-shot", block_size=128), 4, jnp.float16),
 ]
@@ -698,3 +703,28 @@ def test_wire_bytes_is_what_the_compiled_program_sends(ar: AllReduce, n: int, si
 @pytest.mark.parametrize("name", BUILTINS)
 def test_nothing_is_sent_over_an_axis_of_size_one(name: str):
     assert any_all_reduce(name).wire_bytes(4096, jnp.float32, 1) == 0
+
+
+def test_the_default_codec_follows_the_schedule_of_the_axis_size():
+    default = equarx()
+    one_shot, two_shot = default.for_axis_size(2), default.for_axis_size(4)
+    assert (one_shot.block_size, one_shot.scale_dtype) == (64, "float32")
+    assert (two_shot.block_size, two_shot.scale_dtype) == (32, "bfloat16")
+    assert one_shot.rotation_block == two_shot.rotation_block == default.input_rotation.block == 64
+    given = equarx(block_size=64).for_axis_size(4)  # a block size given alone: f32 scales
+    assert (given.block_size, given.scale_dtype, given.rotation_block) == (64, "float32", 64)
+    assert equarx(scale_dtype="float32").for_axis_size(8).block_size == 32
+    ring = get_all_reduce("ring")
+    for n in (2, 4, 8):  # every default codec sends 0.531x a 16-bit ring
+        assert default.wire_bytes(1 << 20, jnp.bfloat16, n) == pytest.approx(
+            0.531 * ring.wire_bytes(1 << 20, jnp.bfloat16, n), rel=2e-3
+        )
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_default_runs_the_codec_it_resolves_to(n: int):
+    x = llm_activations(n, tokens=300, hidden=1024).astype(jnp.bfloat16)
+    default = equarx()
+    np.testing.assert_array_equal(
+        run_all_reduce(default, x, n), run_all_reduce(default.for_axis_size(n), x, n)
+    )

@@ -4,12 +4,15 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
   1. Size gate: messages smaller than `min_size_bytes` use `lax.psum` (quantizing cannot pay).
   2. Flatten, pad to whole blocks and chunks, cut into `[directions, num_slices, N, rows, B]`
      lanes (`ring.py`; each lane a contiguous run of whole rotation groups); rotate every group
-     of `rotation_block` elements (default: the block size) of each lane with an orthonormal
-     Hadamard transform (`rotation="hadamard"`, the default; f32 result).
-  3. Quantize blocks of B elements (default 64): int8 values plus one scale per block
-     (symmetric absmax, round to nearest, clamp to [-127, 127], floored; f32, or bf16 rounded
-     up with `scale_dtype="bfloat16"`). Every receiver dequantizes and accumulates in f32;
-     nothing is ever summed in int8. The schedules (`schedule`, see `ring.py`):
+     of `rotation_block` elements (default: the block size where that is given, else 64) of
+     each lane with an orthonormal Hadamard transform (`rotation="hadamard"`, the default; f32
+     result).
+  3. Quantize blocks of B elements: int8 values plus one scale per block (symmetric absmax,
+     round to nearest, clamp to [-127, 127], floored; f32, or bf16 rounded up with
+     `scale_dtype="bfloat16"`). Where not given, B and the scale dtype follow the schedule
+     (`CODEC_BY_SCHEDULE`): 64 and f32 for one-shot, 32 and bf16 for two-shot and ring.
+     Every receiver dequantizes and accumulates in f32; nothing is ever summed in int8. The
+     schedules (`schedule`, see `ring.py`):
        "one-shot": every device sends its whole quantized message to every other; each sums
                    all N dequantized contributions, its own too, in rank order (each element
                    quantized once; one step; N/2 times the others' bytes).
@@ -28,9 +31,10 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
      a ring of `ppermute`s (every transfer to a neighbour).
   4. Rotate each reduced lane back (the transform is its own inverse), cast back to the input
      dtype, crop. Where every element's result is decoded from one payload (two-shot, ring)
-     and the rotation groups are the quantization blocks (the default: both 64), the inverse
-     runs on the int8 codes: H (s q) = s (H q), an exact int8 product scaled once by the
-     block's scale (`inverse="auto"`), instead of dequantizing to f32 and rotating that.
+     and the rotation groups are the quantization blocks (e.g. block_size=64; not two-shot's
+     default codec, blocks of 32 in groups of 64), the inverse runs on the int8 codes:
+     H (s q) = s (H q), an exact int8 product scaled once by the block's scale
+     (`inverse="auto"`), instead of dequantizing to f32 and rotating that.
 
 Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
 rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`
@@ -43,7 +47,8 @@ XLA fuses, on CPU (`kernel="auto"` or `"jnp"`).
 Cost in bytes each device puts on the wire, for L elements (padded to L') and scales of c bytes:
     2 (N-1)/N * L' * (1 + c/B)          ring, two-shot, and one-shot at N = 2
     (N-1) * L' * (1 + c/B)              one-shot
-  e.g. B = 64, c = 4 (the default): 0.531x of a 16-bit ring, 0.266x of f32; B = 256: 0.508x.
+  e.g. B = 64, c = 4 or B = 32, c = 2 (the defaults): 0.531x of a 16-bit ring, 0.266x of f32;
+  B = 256, c = 4: 0.508x.
 
 Non-finite inputs: a NaN or Inf element is carried as the int8 code -128 and comes out as NaN
 in that output element only (its block's other elements keep their precision). With the
@@ -79,6 +84,19 @@ KERNELS = ("auto", "pallas", "jnp")
 SCALE_DTYPES = ("float32", "bfloat16")
 # 16-bit scales travel as raw bits: XLA:CPU would widen a bfloat16 collective to f32.
 _SCALE_WIRE = {"float32": None, "bfloat16": jnp.uint16}
+# The default codec (block size, scale dtype) of each schedule, where the caller gives none:
+# equal wire bytes (1.0625 per element, 0.531x a 16-bit ring), chosen on Gemma 3 270M
+# (`equarx-serve eval`, README "Quality"). One-shot quantizes each element once: block 64 with
+# f32 scales (TP = 2: KL 1.68-1.77x the float32 model's floor). Two-shot quantizes it twice, the
+# second time in a sum N times the variance: block 32 with bf16 scales shrinks that error
+# (TP = 4, Python source, 16 windows: KL 1.92x the floor's vs 2.04x for block 64 + f32 scales;
+# default corpus 1.91x both, top-1 0.2 points closer to the floor's).
+CODEC_BY_SCHEDULE = {
+    "one-shot": (64, "float32"),
+    "two-shot": (32, "bfloat16"),
+    "ring": (32, "bfloat16"),
+}
+DEFAULT_ROTATION_BLOCK = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,14 +168,19 @@ class EquarxInt8(RingAllReduce):
     name: ClassVar[str] = "equarx-int8"
     quantized: ClassVar[bool] = True
 
-    block_size: int = 64
+    # The codec, where not given (None): chosen by the schedule the axis size runs
+    # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with float32 scales for one-shot (N = 2),
+    # block 32 with bfloat16 scales for two-shot and ring (same wire bytes, 1.0625 per element).
+    # A block_size given without a scale_dtype has float32 scales.
+    block_size: int | None = None
     # bfloat16: 2 scale bytes per block instead of 4 (block 32 + bfloat16 sends what block 64 +
     # float32 does), rounded up so that no element clips.
-    scale_dtype: Literal["float32", "bfloat16"] = "float32"
+    scale_dtype: Literal["float32", "bfloat16"] | None = None
     # hadamard: spreads outlier channels over the rotation block before quantizing.
     rotation: Literal["hadamard"] | None = "hadamard"
-    # Elements per Hadamard block (a power of two; None: block_size). 64 and 128 divide the
-    # width of every Gemma 3 model, so the model can fold the transform into its weights.
+    # Elements per Hadamard block (a power of two; None: block_size when that is given, else
+    # 64). 64 and 128 divide the width of every Gemma 3 model, so the model can fold the
+    # transform into its weights.
     rotation_block: int | None = None
     # Let a model fold the forward rotation into the weights that produce this all-reduce's
     # input (`models.gemma3`: then only the inverse runs here). Called on its own (a user's
@@ -169,8 +192,9 @@ class EquarxInt8(RingAllReduce):
     # dequantizing. "auto": codes where each result element comes from one payload (two-shot,
     # ring) and the blocks are at most MAX_DENSE_BLOCK (a dense product), values otherwise.
     # Measured on 1 Gbit/s emulated hosts, 16 MiB, the model's (pre-rotated) form: two-shot at
-    # N = 4 265 -> 233 ms with the codes; one-shot at N = 2 170 ms on the values, 219 ms on
-    # the codes (two int8 products per element against one f32 product of the sum).
+    # N = 4 with block 64 + f32 scales 265 -> 233 ms with the codes; one-shot at N = 2 170 ms
+    # on the values, 219 ms on the codes (two int8 products per element against one f32
+    # product of the sum).
     inverse: Literal["auto", "codes", "values"] = "auto"
     # auto: one-shot over 2 devices (two-shot's bytes in one step, each element quantized once
     # instead of twice), two-shot over more (the ring's bytes, error that does not grow with
@@ -188,10 +212,12 @@ class EquarxInt8(RingAllReduce):
     kernel: Literal["auto", "pallas", "jnp"] = "auto"
 
     def __post_init__(self):
-        if not isinstance(self.block_size, int) or self.block_size < 2:
+        if self.block_size is not None and (
+            not isinstance(self.block_size, int) or self.block_size < 2
+        ):
             raise ValueError(f"block_size must be an int >= 2, got {self.block_size!r}")
         for field, value, valid in (
-            ("scale_dtype", self.scale_dtype, SCALE_DTYPES),
+            ("scale_dtype", self.scale_dtype, (*SCALE_DTYPES, None)),
             ("rotation", self.rotation, ROTATIONS),
             ("kernel", self.kernel, KERNELS),
             ("inverse", self.inverse, INVERSES),
@@ -201,14 +227,15 @@ class EquarxInt8(RingAllReduce):
         if self.rotation is None and self.rotation_block is not None:
             raise ValueError("rotation_block needs rotation='hadamard'")
         if self.rotation is not None:
-            block = self.rotation_block or self.block_size
+            block = self.rotation_block or self.block_size or DEFAULT_ROTATION_BLOCK
             if not isinstance(block, int) or block < 1 or block & (block - 1):
                 which = "rotation_block" if self.rotation_block else "block_size"
                 raise ValueError(f"rotation='hadamard' needs a power-of-two {which}, got {block!r}")
         if self.inverse == "codes" and not self._rotates_blocks:
             raise ValueError(
-                "inverse='codes' needs rotation='hadamard' with rotation_block equal to block_size"
-                f", got rotation={self.rotation!r}, rotation_block={self.rotation_block!r}"
+                "inverse='codes' needs rotation='hadamard' and a block_size equal to the rotation"
+                f" block, got rotation={self.rotation!r}, block_size={self.block_size!r}, "
+                f"rotation_block={self.rotation_block!r}"
             )
         if not isinstance(self.fold_rotation, bool):
             raise ValueError(f"fold_rotation must be a bool, got {self.fold_rotation!r}")
@@ -216,8 +243,25 @@ class EquarxInt8(RingAllReduce):
         if not isinstance(self.min_size_bytes, int) or self.min_size_bytes < 0:
             raise ValueError(f"min_size_bytes must be an int >= 0, got {self.min_size_bytes!r}")
 
+    def for_axis_size(self, axis_size: int) -> EquarxInt8:
+        """This all-reduce as it runs over `axis_size` devices: the codec fields left None
+        filled in from `CODEC_BY_SCHEDULE` for the schedule that runs there, the rotation block
+        pinned (what `reduce` and `wire_bytes` use)."""
+        block, scale = CODEC_BY_SCHEDULE[self.schedule_for(axis_size)]
+        if self.block_size is not None:  # a block size given alone keeps f32 scales
+            block, scale = self.block_size, "float32"
+        rotation = self.input_rotation
+        return dataclasses.replace(
+            self,
+            block_size=block,
+            scale_dtype=self.scale_dtype or scale,
+            rotation_block=None if rotation is None else rotation.block,
+        )
+
     @property
     def lane_block(self) -> int:
+        if self.block_size is None:
+            raise ValueError("the block size depends on the axis size: use for_axis_size(N)")
         return self.block_size
 
     def pad_rows(self, rows: int) -> int:
@@ -243,7 +287,7 @@ class EquarxInt8(RingAllReduce):
         """The orthonormal transform applied to every input before it is quantized."""
         if self.rotation is None:
             return None
-        return HadamardRotation(self.rotation_block or self.block_size)
+        return HadamardRotation(self.rotation_block or self.block_size or DEFAULT_ROTATION_BLOCK)
 
     @property
     def foldable_rotation(self) -> HadamardRotation | None:
@@ -252,11 +296,14 @@ class EquarxInt8(RingAllReduce):
     @property
     def _rotates_blocks(self) -> bool:
         """Whether the rotation groups are the quantization blocks (the inverse can run on the
-        codes)."""
-        return self.rotation is not None and self.rotation_block in (None, self.block_size)
+        codes); False while the block size is left to the axis size (`for_axis_size`)."""
+        rotation = self.input_rotation
+        return rotation is not None and rotation.block == self.block_size
 
     def inverse_on_codes(self, axis_size: int) -> bool:
         """Whether the inverse rotation runs on the int8 codes over `axis_size` devices."""
+        if self.block_size is None:
+            return self.for_axis_size(axis_size).inverse_on_codes(axis_size)
         if self.inverse == "auto":
             return (
                 self._rotates_blocks
@@ -280,19 +327,22 @@ class EquarxInt8(RingAllReduce):
     def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
         if axis_size > 1 and self.is_gated(num_elements, dtype):
             return AllReduce.wire_bytes(self, num_elements, dtype, axis_size)  # psum
-        return super().wire_bytes(num_elements, dtype, axis_size)
+        return RingAllReduce.wire_bytes(
+            self.for_axis_size(axis_size), num_elements, dtype, axis_size
+        )
 
     def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
         check_float_dtype(x, self.name)
         if self.is_gated(x.size, x.dtype):
             return lax.psum(x, axis_name)
-        rotation = self.input_rotation
+        concrete = self.for_axis_size(axis_size)
+        rotation = concrete.input_rotation
         if rotation is None:
-            return self.ring_reduce(x, axis_name, axis_size, x.dtype)
+            return concrete.ring_reduce(x, axis_name, axis_size, x.dtype)
         # Each lane is rotated (to f32) before it is quantized, and rotated back once its sum is
         # decoded: lanes are contiguous runs of whole rotation groups of the flat message
         # (`pad_rows`), so this is the message's rotation, pipelined with the transfers.
-        return self._reduce_rotated_back(
+        return concrete._reduce_rotated_back(
             x, axis_name, axis_size, prepare=lambda lane: _rotate_lane(rotation, lane, jnp.float32)
         )
 
@@ -303,7 +353,7 @@ class EquarxInt8(RingAllReduce):
         rotation = self.input_rotation
         if self.is_gated(x.size, x.dtype):
             return rotation.apply(lax.psum(x.astype(jnp.float32), axis_name), out_dtype=x.dtype)
-        return self._reduce_rotated_back(x, axis_name, axis_size)
+        return self.for_axis_size(axis_size)._reduce_rotated_back(x, axis_name, axis_size)
 
     def _reduce_rotated_back(
         self, x: jax.Array, axis_name: str, axis_size: int, *, prepare: LaneFn | None = None
