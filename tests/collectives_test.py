@@ -495,7 +495,7 @@ def test_nonfinite_codes_make_their_whole_rotation_block_nan_on_the_codes_path()
     n, block = 2, 64
     x = gaussian(n, (16 * block,), seed=5)
     x[1, 70], x[0, 200] = np.nan, np.inf  # blocks 1 and 3
-    y = run_all_reduce(equarx(schedule="one-shot", inverse="codes"), x, n)
+    y = run_all_reduce(equarx(schedule="one-shot", block_size=block, inverse="codes"), x, n)
     assert_replicas_identical(y)
     expected_nonfinite = np.zeros(x.shape[1:], bool)
     expected_nonfinite[block : 2 * block] = expected_nonfinite[3 * block : 4 * block] = True
