@@ -437,8 +437,8 @@ def test_hadamard_codes_rotates_int8_codes(block: int):
 def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     default = get_all_reduce("equarx-int8")
     assert not default.inverse_on_codes(2)  # one-shot: one f32 product of the summed values
-    # Two-shot's default codec has blocks of 32 in rotation groups of 64: the values.
-    assert not default.inverse_on_codes(4)
+    # Two-shot's default codec: two blocks of 32 in each rotation group of 64.
+    assert default.inverse_on_codes(4)
     block_64 = get_all_reduce("equarx-int8", block_size=64)
     assert block_64.inverse_on_codes(4)  # two-shot: the owner's payload, rotated as codes
     assert equarx(block_size=64, schedule="two-shot").inverse_on_codes(2)
@@ -447,8 +447,13 @@ def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     assert not equarx(block_size=64, inverse="values").inverse_on_codes(4)
     with pytest.raises(ValueError, match="inverse='codes'"):
         equarx(inverse="codes")  # the block size is left to the axis size
-    # Rotation groups other than the quantization blocks, or none: the values.
-    for other in (dict(rotation_block=128), dict(rotation=None), dict(block_size=256)):
+    assert equarx(block_size=32, rotation_block=128).inverse_on_codes(4)  # groups of 4 blocks
+    # Rotation groups smaller than a block, no rotation, or blocks past a dense product: values.
+    for other in (
+        dict(block_size=64, rotation_block=32),
+        dict(rotation=None),
+        dict(block_size=256),
+    ):
         assert not equarx(**other).inverse_on_codes(4), other
 
 
@@ -459,6 +464,8 @@ INVERSE_CASES = [
     (dict(schedule="one-shot", block_size=64, inverse="codes"), 2, jnp.bfloat16),
     (dict(schedule="two-shot", block_size=16, scale_dtype="bfloat16"), 8, jnp.float32),
     (dict(schedule="two-shot", block_size=128), 4, jnp.float16),
+    (dict(), 4, jnp.bfloat16),  # the default at N > 2: two blocks of 32 per rotation group
+    (dict(schedule="ring", block_size=16, rotation_block=64), 4, jnp.float32),  # 4 blocks
 ]
 
 
@@ -491,11 +498,13 @@ def test_the_inverse_on_the_codes_matches_the_inverse_on_the_values(
     assert error(got) <= error(before) * 1.001
 
 
-def test_nonfinite_codes_make_their_whole_rotation_block_nan_on_the_codes_path():
-    n, block = 2, 64
+@pytest.mark.parametrize("quant_block", [64, 32, 16])
+def test_nonfinite_codes_make_their_whole_rotation_block_nan_on_the_codes_path(quant_block: int):
+    n, block = 2, 64  # rotation groups of 64 elements, each 1, 2 or 4 quantization blocks
     x = gaussian(n, (16 * block,), seed=5)
-    x[1, 70], x[0, 200] = np.nan, np.inf  # blocks 1 and 3
-    y = run_all_reduce(equarx(schedule="one-shot", block_size=block, inverse="codes"), x, n)
+    x[1, 70], x[0, 200] = np.nan, np.inf  # rotation groups 1 and 3
+    method = equarx(schedule="one-shot", block_size=quant_block, rotation_block=block)
+    y = run_all_reduce(dataclasses.replace(method, inverse="codes"), x, n)
     assert_replicas_identical(y)
     expected_nonfinite = np.zeros(x.shape[1:], bool)
     expected_nonfinite[block : 2 * block] = expected_nonfinite[3 * block : 4 * block] = True

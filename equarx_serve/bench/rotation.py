@@ -130,7 +130,7 @@ def time_inverse(sizes: Sequence[int], repeats: int) -> list[Timing]:
     rotation = HadamardRotation(QUANT_BLOCK)
     variants = {
         "values": lambda p: rotation.apply(codec.decode(p, jnp.float32), out_dtype=jnp.bfloat16),
-        "codes": lambda p: codec.decode_rotated(p).astype(jnp.bfloat16),
+        "codes": lambda p: codec.decode_rotated(p, QUANT_BLOCK).astype(jnp.bfloat16),
     }
     timings = []
     for size in sizes:

@@ -31,10 +31,11 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
      a ring of `ppermute`s (every transfer to a neighbour).
   4. Rotate each reduced lane back (the transform is its own inverse), cast back to the input
      dtype, crop. Where every element's result is decoded from one payload (two-shot, ring)
-     and the rotation groups are the quantization blocks (e.g. block_size=64; not two-shot's
-     default codec, blocks of 32 in groups of 64), the inverse runs on the int8 codes:
-     H (s q) = s (H q), an exact int8 product scaled once by the block's scale
-     (`inverse="auto"`), instead of dequantizing to f32 and rotating that.
+     and each rotation group is a whole number of quantization blocks (the defaults: 64 in 64
+     at N = 2, two blocks of 32 in 64 at N > 2), the inverse runs on the int8 codes:
+     H (s q) = s (H q), an exact int8 product scaled once by the block's scale; a group of k
+     blocks then mixes them with H_k (Sylvester: H_kB = H_k (x) H_B, k multiply-adds an
+     element in f32) (`inverse="auto"`), instead of dequantizing to f32 and rotating that.
 
 Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
 rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`
@@ -67,7 +68,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx_serve.collectives.base import AllReduce, check_float_dtype, ring_all_reduce_bytes
-from equarx_serve.collectives.hadamard import MAX_DENSE_BLOCK, HadamardRotation, hadamard_codes
+from equarx_serve.collectives.hadamard import (
+    MAX_DENSE_BLOCK,
+    HadamardRotation,
+    combine_rotated_blocks,
+    hadamard_codes,
+)
 from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import LaneFn, RingAllReduce, take_chunk
 from equarx_serve.kernels import block_quantize
@@ -147,17 +153,20 @@ class BlockInt8Codec:
     def decode(self, payload: tuple, dtype: jnp.dtype) -> jax.Array:
         return block_quantize.dequantize(*self._from_wire(payload)).astype(dtype)
 
-    def decode_rotated(self, payload: tuple) -> jax.Array:
-        """`decode` in f32 with every row (block) times the orthonormal Hadamard transform:
-        the block's scale times its rotated codes (`hadamard_codes`, exact), rounded once. A
-        row holding the non-finite code is NaN throughout, as rotating its NaN would give."""
+    def decode_rotated(self, payload: tuple, rotation_block: int) -> jax.Array:
+        """`decode` in f32 with every group of `rotation_block` elements (a whole number of
+        rows) times the orthonormal Hadamard transform: each block's scale times its rotated
+        codes (`hadamard_codes`, exact), rounded once; a group of several blocks then mixes
+        its rows (`combine_rotated_blocks`, H_kB = H_k (x) H_B). A row holding the non-finite
+        code is NaN throughout, and so is its group, as rotating its NaN would give."""
         q, scale = self._from_wire(payload)
         # The mark goes into the row's scale (a min over the int8 rows), so the product's
         # scaling and the caller's cast stay one pass; masking the f32 values instead (under
         # a lax.cond on any mark) wrote them out once more: 31-34 vs 20 ms at 16 MiB.
         marked = jnp.min(q, axis=-1, keepdims=True) == block_quantize.NONFINITE_CODE
         scale = jnp.where(marked, jnp.nan, scale.astype(jnp.float32))
-        return hadamard_codes(q) * scale
+        rotated = hadamard_codes(q) * scale
+        return combine_rotated_blocks(rotated, rotation_block // q.shape[-1])
 
 
 @register_all_reduce
@@ -187,7 +196,7 @@ class EquarxInt8(RingAllReduce):
     # shard_map) the all-reduce always rotates its input itself.
     fold_rotation: bool = True
     # Where the inverse rotation runs: "codes" on each all-gathered payload's int8 codes, then
-    # its scales (needs rotation groups equal to the quantization blocks; in one-shot each of
+    # its scales (needs rotation groups of whole quantization blocks; in one-shot each of
     # the N payloads is rotated before they are summed); "values" on the f32 sum after
     # dequantizing. "auto": codes where each result element comes from one payload (two-shot,
     # ring) and the blocks are at most MAX_DENSE_BLOCK (a dense product), values otherwise.
@@ -233,8 +242,8 @@ class EquarxInt8(RingAllReduce):
                 raise ValueError(f"rotation='hadamard' needs a power-of-two {which}, got {block!r}")
         if self.inverse == "codes" and not self._rotates_blocks:
             raise ValueError(
-                "inverse='codes' needs rotation='hadamard' and a block_size equal to the rotation"
-                f" block, got rotation={self.rotation!r}, block_size={self.block_size!r}, "
+                "inverse='codes' needs rotation='hadamard' and a block_size that divides the "
+                f"rotation block, got rotation={self.rotation!r}, block_size={self.block_size!r}, "
                 f"rotation_block={self.rotation_block!r}"
             )
         if not isinstance(self.fold_rotation, bool):
@@ -295,10 +304,15 @@ class EquarxInt8(RingAllReduce):
 
     @property
     def _rotates_blocks(self) -> bool:
-        """Whether the rotation groups are the quantization blocks (the inverse can run on the
-        codes); False while the block size is left to the axis size (`for_axis_size`)."""
+        """Whether each rotation group is a whole number of quantization blocks (the inverse
+        can run on the codes); False while the block size is left to the axis size
+        (`for_axis_size`)."""
         rotation = self.input_rotation
-        return rotation is not None and rotation.block == self.block_size
+        return (
+            rotation is not None
+            and self.block_size is not None
+            and rotation.block % self.block_size == 0
+        )
 
     def inverse_on_codes(self, axis_size: int) -> bool:
         """Whether the inverse rotation runs on the int8 codes over `axis_size` devices."""
@@ -361,9 +375,14 @@ class EquarxInt8(RingAllReduce):
         """`ring_reduce` with the inverse rotation applied to the sum: on the int8 codes as they
         are decoded, or on the decoded f32 values (`inverse_on_codes`)."""
         if self.inverse_on_codes(axis_size):
-            codec = self.codec(x.dtype)
+            codec, group = self.codec(x.dtype), self.input_rotation.block
             return self.ring_reduce(
-                x, axis_name, axis_size, x.dtype, prepare=prepare, decode=codec.decode_rotated
+                x,
+                axis_name,
+                axis_size,
+                x.dtype,
+                prepare=prepare,
+                decode=lambda payload: codec.decode_rotated(payload, group),
             )
         rotation = self.input_rotation
         return self.ring_reduce(

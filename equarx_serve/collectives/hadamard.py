@@ -111,6 +111,22 @@ def hadamard_codes(codes: jax.Array) -> jax.Array:
     return (sums.astype(jnp.float32) * (1.0 / math.sqrt(block))).reshape(codes.shape)
 
 
+def combine_rotated_blocks(rotated: jax.Array, group: int) -> jax.Array:
+    """f32 [..., R, B] rows each already times H_B / sqrt(B), R a multiple of `group` -> every
+    run of `group` consecutive rows (one vector of group * B elements) times
+    H_{group B} / sqrt(group B). Sylvester's matrices factor as H_{kB} = H_k (x) H_B, so this
+    is the [group, group] transform H_k / sqrt(k) across the rows of a run (k multiply-adds an
+    element, f32)."""
+    _check_block(group)
+    if group == 1:
+        return rotated
+    *lead, rows, block = rotated.shape
+    runs = rotated.reshape(*lead, rows // group, group, block)  # [..., R / k, k, B]
+    h = jnp.asarray(hadamard_matrix(group) / math.sqrt(group), jnp.float32)
+    mixed = jnp.einsum("ij,...jb->...ib", h, runs, precision=lax.Precision.HIGHEST)
+    return mixed.reshape(rotated.shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class HadamardRotation:
     """The orthonormal block Hadamard transform on consecutive groups of `block` elements of an
