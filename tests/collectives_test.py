@@ -437,8 +437,8 @@ def test_hadamard_codes_rotates_int8_codes(block: int):
 def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     default = get_all_reduce("equarx-int8")
     assert not default.inverse_on_codes(2)  # one-shot: one f32 product of the summed values
-    # Two-shot's default codec: two blocks of 32 in each rotation group of 64.
-    assert default.inverse_on_codes(4)
+    # Two-shot's default codec has two blocks of 32 in each rotation group of 64: the values.
+    assert not default.inverse_on_codes(4)
     block_64 = get_all_reduce("equarx-int8", block_size=64)
     assert block_64.inverse_on_codes(4)  # two-shot: the owner's payload, rotated as codes
     assert equarx(block_size=64, schedule="two-shot").inverse_on_codes(2)
@@ -447,7 +447,8 @@ def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     assert not equarx(block_size=64, inverse="values").inverse_on_codes(4)
     with pytest.raises(ValueError, match="inverse='codes'"):
         equarx(inverse="codes")  # the block size is left to the axis size
-    assert equarx(block_size=32, rotation_block=128).inverse_on_codes(4)  # groups of 4 blocks
+    assert not equarx(block_size=32, rotation_block=128).inverse_on_codes(4)  # auto: 1 block
+    assert equarx(block_size=32, rotation_block=128, inverse="codes").inverse_on_codes(4)
     # Rotation groups smaller than a block, no rotation, or blocks past a dense product: values.
     for other in (
         dict(block_size=64, rotation_block=32),
@@ -464,8 +465,13 @@ INVERSE_CASES = [
     (dict(schedule="one-shot", block_size=64, inverse="codes"), 2, jnp.bfloat16),
     (dict(schedule="two-shot", block_size=16, scale_dtype="bfloat16"), 8, jnp.float32),
     (dict(schedule="two-shot", block_size=128), 4, jnp.float16),
-    (dict(), 4, jnp.bfloat16),  # the default at N > 2: two blocks of 32 per rotation group
-    (dict(schedule="ring", block_size=16, rotation_block=64), 4, jnp.float32),  # 4 blocks
+    # Rotation groups of 2 and 4 blocks (the first is two-shot's default codec).
+    (
+        dict(block_size=32, scale_dtype="bfloat16", rotation_block=64, inverse="codes"),
+        4,
+        jnp.bfloat16,
+    ),
+    (dict(schedule="ring", block_size=16, rotation_block=64, inverse="codes"), 4, jnp.float32),
 ]
 
 

@@ -31,11 +31,12 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
      a ring of `ppermute`s (every transfer to a neighbour).
   4. Rotate each reduced lane back (the transform is its own inverse), cast back to the input
      dtype, crop. Where every element's result is decoded from one payload (two-shot, ring)
-     and each rotation group is a whole number of quantization blocks (the defaults: 64 in 64
-     at N = 2, two blocks of 32 in 64 at N > 2), the inverse runs on the int8 codes:
-     H (s q) = s (H q), an exact int8 product scaled once by the block's scale; a group of k
-     blocks then mixes them with H_k (Sylvester: H_kB = H_k (x) H_B, k multiply-adds an
-     element in f32) (`inverse="auto"`), instead of dequantizing to f32 and rotating that.
+     and the rotation groups are the quantization blocks (e.g. block_size=64 at N > 2; not
+     two-shot's default codec, two blocks of 32 in each group of 64), the inverse runs on the
+     int8 codes (`inverse="auto"`): H (s q) = s (H q), an exact int8 product scaled once by
+     the block's scale, instead of dequantizing to f32 and rotating that. `inverse="codes"`
+     also takes groups of k blocks: each block rotated as codes, then the group's blocks mixed
+     by H_k (Sylvester: H_kB = H_k (x) H_B); measured slower than the values.
 
 Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
 rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`
@@ -199,7 +200,8 @@ class EquarxInt8(RingAllReduce):
     # its scales (needs rotation groups of whole quantization blocks; in one-shot each of
     # the N payloads is rotated before they are summed); "values" on the f32 sum after
     # dequantizing. "auto": codes where each result element comes from one payload (two-shot,
-    # ring) and the blocks are at most MAX_DENSE_BLOCK (a dense product), values otherwise.
+    # ring), the rotation groups are the blocks, and the blocks are at most MAX_DENSE_BLOCK (a
+    # dense product); values otherwise.
     # Measured on 1 Gbit/s emulated hosts, 16 MiB, the model's (pre-rotated) form: two-shot at
     # N = 4 with block 64 + f32 scales 265 -> 233 ms with the codes; one-shot at N = 2 170 ms
     # on the values, 219 ms on the codes (two int8 products per element against one f32
@@ -319,9 +321,12 @@ class EquarxInt8(RingAllReduce):
         if self.block_size is None:
             return self.for_axis_size(axis_size).inverse_on_codes(axis_size)
         if self.inverse == "auto":
+            # One block per rotation group only: mixing a group's blocks afterwards (H_k) cost
+            # more than it saved (1 Gbit/s, N = 4, 16 MiB, pre-rotated, block 32 in groups of
+            # 64: 341 ms on the codes vs 290 ms on the values).
             return (
-                self._rotates_blocks
-                and self.block_size <= MAX_DENSE_BLOCK
+                self.input_rotation is not None
+                and self.input_rotation.block == self.block_size <= MAX_DENSE_BLOCK
                 and self.schedule_for(axis_size) != "one-shot"
             )
         return self.inverse == "codes"
