@@ -238,7 +238,7 @@ class EquarxInt8(RingAllReduce):
         if self.rotation is None and self.rotation_block is not None:
             raise ValueError("rotation_block needs rotation='hadamard'")
         if self.rotation is not None:
-            block = self.rotation_block or self.block_size or DEFAULT_ROTATION_BLOCK
+            block = self._rotation_group
             if not isinstance(block, int) or block < 1 or block & (block - 1):
                 which = "rotation_block" if self.rotation_block else "block_size"
                 raise ValueError(f"rotation='hadamard' needs a power-of-two {which}, got {block!r}")
@@ -298,7 +298,14 @@ class EquarxInt8(RingAllReduce):
         """The orthonormal transform applied to every input before it is quantized."""
         if self.rotation is None:
             return None
-        return HadamardRotation(self.rotation_block or self.block_size or DEFAULT_ROTATION_BLOCK)
+        return HadamardRotation(self._rotation_group)
+
+    @property
+    def _rotation_group(self) -> int:
+        """Elements per rotation group: `rotation_block`, else the block size where one is
+        given, else `DEFAULT_ROTATION_BLOCK` (the same at every axis size, so that a model can
+        fold it)."""
+        return self.rotation_block or self.block_size or DEFAULT_ROTATION_BLOCK
 
     @property
     def foldable_rotation(self) -> HadamardRotation | None:
