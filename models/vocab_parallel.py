@@ -38,6 +38,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx_serve.kernels import head_gemv
+
 AXIS = "tp"
 # sampling.sample_tokens's clamp: temperatures below it are raised to it (0: greedy).
 MIN_TEMPERATURE = 1e-5
@@ -62,13 +64,22 @@ def logits_block(
     """x [..., D] (replicated) and this device's table rows [V/T, D] -> its logits [..., V/T],
     computed as gemma computes the whole (in the operands' dtype, then soft-capped).
 
-    A single row is computed as two (a zero row added, its logits dropped): XLA:CPU's
-    matrix-vector path for bf16 converts the whole table to f32 on every call (measured at
-    Gemma 3 270M's [V/2 = 131072, 640] per device: 448 ms for 1 row, 25 ms for 2)."""
-    if math.prod(x.shape[:-1]) == 1:
+    Up to `head_gemv.MAX_ROWS` rows of a bfloat16 table (decode, a prefill's last tokens) go
+    through the native kernel on CPU, which reads the table once at memory speed (XLA:CPU's dot
+    runs at half of it). Otherwise XLA's dot; there a single row is computed as two (a zero row
+    added, its logits dropped): XLA:CPU's matrix-vector path for bf16 converts the whole table
+    to f32 on every call (measured at Gemma 3 270M's [V/2 = 131072, 640] per device: 448 ms
+    for 1 row, 25 ms for 2)."""
+    rows = math.prod(x.shape[:-1])
+    native = table_block.dtype == jnp.bfloat16 and head_gemv.native_available()
+    if rows <= head_gemv.MAX_ROWS and native:
+        flat = head_gemv.matmul(x.reshape(rows, -1), table_block).astype(x.dtype)  # [rows, V/T]
+        logits = flat.reshape(*x.shape[:-1], -1)
+    elif rows == 1:
         pair = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])  # [2, D]
-        return logits_block(pair, table_block, softcap=softcap)[:1].reshape(*x.shape[:-1], -1)
-    logits = jnp.einsum("...D,VD->...V", x, table_block)
+        logits = jnp.einsum("BD,VD->BV", pair, table_block)[:1].reshape(*x.shape[:-1], -1)
+    else:
+        logits = jnp.einsum("...D,VD->...V", x, table_block)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     return logits
