@@ -6,9 +6,10 @@ Gemma's output head in decode is x [B, D] times its tied embedding [V, D] with B
 memory-bound product (the table, 2 V D bytes, is read once; the FLOPs are 2 B V D). XLA:CPU's
 dot runs it at about half the rate one core reads memory: it repacks the table on every call.
 Measured at Gemma 3 270M's head per device, [B, 640] x [640, 131072], 2 host devices, medians
-(2026-12-04, a second job running): B = 2: dot 21.8 ms, this kernel 14.1 ms (a plain sum
-over the table: 11.5 ms); B = 4: 25.5 vs 19.1 ms; B = 8: 28.8 vs 40.1 ms, so callers use the
-kernel up to `MAX_ROWS` rows. (B = 1 through XLA's matrix-vector path: 240 ms.)
+(2026-12-04, AVX512-BF16 build, another job running): B = 2: dot 20.4 ms, this kernel 15.1 ms
+(a plain sum over the table: 11.5 ms); B = 8: 24.3 vs 20.1 ms; B = 9 (two passes): 26.9 vs
+34.4 ms, so callers use the kernel up to `MAX_ROWS` rows. (B = 1 through XLA's matrix-vector
+path: 240 ms.)
 
 On CPU, `matmul` is a custom call into `head_gemv.cc` (algorithm and cost there), compiled on
 first use with the system's C++ compiler (`c++ -O3 -march=native`, ~4 s) into
