@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import jaxlib
 from jax import lax
 
-__all__ = ["MAX_ROWS", "matmul", "native_available", "reference"]
+__all__ = ["MAX_ROWS", "matmul", "native_available", "pays", "reference"]
 
 logger = logging.getLogger("equarx_serve.kernels")
 
@@ -114,6 +114,14 @@ def _register() -> bool:
         logger.warning("the native head kernel is unavailable, using XLA's dot: %s", e)
         return False
     return True
+
+
+def pays(x: jax.Array, table: jax.Array) -> bool:
+    """Whether `matmul` runs the kernel for x [B, D] and table [V, D] and it is the faster
+    way: bf16 operands, at most `MAX_ROWS` rows, the kernel available."""
+    rows = x.shape[0] if x.ndim == 2 else 0
+    bf16 = x.dtype == table.dtype == jnp.bfloat16
+    return 0 < rows <= MAX_ROWS and bf16 and native_available()
 
 
 def _native(x: jax.Array, table: jax.Array) -> jax.Array:
