@@ -104,11 +104,24 @@ def gather(block: jax.Array, axis_name: str = AXIS) -> jax.Array:
 # -- Selection ------------------------------------------------------------------------------------
 
 
+def _first_max(block: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """[..., n] -> (jnp.max, jnp.argmax) over the last axis: the maximum and the int32 index
+    of its first occurrence; a NaN is the maximum (the first NaN). Plain reductions, where
+    XLA:CPU runs jnp.argmax's (value, index) reduction ~4x slower (measured on [8, 131072]
+    bf16 per device, 2 host devices: 1.3 vs 5.6 ms; [2, 131072]: 0.35 vs 2.1 ms). NaN is
+    looked for explicitly: XLA:CPU's vectorized max need not propagate it."""
+    nan = jnp.isnan(block)
+    has_nan = jnp.any(nan, axis=-1)  # [...]
+    best = jnp.where(has_nan, jnp.nan, jnp.max(block, axis=-1)).astype(block.dtype)
+    at_best = jnp.where(has_nan[..., None], nan, block == best[..., None])
+    index = lax.broadcasted_iota(jnp.int32, block.shape, block.ndim - 1)
+    return best, jnp.min(jnp.where(at_best, index, jnp.iinfo(jnp.int32).max), axis=-1)
+
+
 def argmax(block: jax.Array, axis_name: str = AXIS) -> jax.Array:
     """[..., V/T] -> [...] int32: the global `jnp.argmax` (the first maximum; the first NaN if
     any, as jnp.argmax)."""
-    local_max = jnp.max(block, axis=-1)  # [...]
-    local_arg = jnp.argmax(block, axis=-1).astype(jnp.int32)
+    local_max, local_arg = _first_max(block)  # [...], [...]
     local_arg += _block_offset(block.shape[-1], axis_name)
     global_max = lax.pmax(local_max, axis_name)
     # A NaN anywhere wins (collectives' max need not propagate it): blocks holding one compete

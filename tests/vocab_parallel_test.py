@@ -51,6 +51,26 @@ def test_argmax_equals_argmax_of_gathered_logits_ties_and_nan(tp):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(logits, axis=-1)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("seed", range(4))
+def test_first_max_equals_max_and_argmax(dtype, seed):
+    """The local maximum and its first index are numpy's max (NaN if the row holds one) and
+    jnp.argmax's, with NaN, infinities, signed zeros and ties drawn into the rows."""
+    rng = np.random.default_rng(seed)
+    logits = np.round(rng.standard_normal((16, 300)) * 2)  # many ties
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0])
+    for row in range(16):
+        where = rng.integers(0, 300, rng.integers(0, 4))
+        logits[row, where] = rng.choice(specials, len(where))
+    logits[0] = -np.inf
+    logits = jnp.asarray(logits, dtype)
+    best, index = jax.jit(vp._first_max)(logits)
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(jnp.argmax(logits, axis=-1)))
+    want_best = np.max(np.asarray(logits, np.float32), axis=-1)  # NaN where a row holds one
+    np.testing.assert_array_equal(np.asarray(best, np.float32), want_best)
+    assert index.dtype == jnp.int32
+
+
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("k", [1, 5, 40, 200])
 def test_top_k_equals_top_k_of_gathered_logits(tp, k):
