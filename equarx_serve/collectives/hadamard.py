@@ -36,10 +36,11 @@ With groups of k blocks (`equarx-int8`'s two-shot default: blocks of 32, groups 
 int8 product by H_B is followed by one fused elementwise pass that scales every block and
 mixes a group's blocks by H_k (H_kB = H_k (x) H_B). Measured on XLA:CPU (`bench.rotation`,
 16 MiB decoded back to bf16, side by side): 22.8 ms for blocks of 32 against 35.4 ms on the
-values and 21.8 ms for one block of 64 a group. Two formulations of the mix ran slower: a
-[k, k] product across the rows (an extra f32 pass: 46 vs 18 ms at 16 MiB) and the +-1
-factors of H_k broadcast over the rows (the fused pass, fed by scales unpacked from an
-all-gathered byte buffer, 3x slower at 1 MiB: 1.22 vs 0.41 ms).
+values and 21.8 ms for one block of 64 a group. Two formulations of the mix ran slower
+(ad-hoc micro-benchmarks, side by side): a [k, k] product across the rows (an extra f32
+pass: 46 vs 18 ms at 16 MiB) and the +-1 factors of H_k broadcast over the rows (the fused
+pass, fed by scales unpacked from an all-gathered byte buffer, 3x slower at 1 MiB: 1.22 vs
+0.41 ms).
 """
 
 from __future__ import annotations
