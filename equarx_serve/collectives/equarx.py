@@ -200,9 +200,10 @@ class EquarxInt8(RingAllReduce):
     # ring), the rotation groups are whole blocks, and the blocks are at most MAX_DENSE_BLOCK
     # (a dense product); values otherwise.
     # Measured on 1 Gbit/s emulated hosts, 16 MiB, the model's (pre-rotated) form: two-shot at
-    # N = 4 with block 64 + f32 scales 265 -> 233 ms with the codes; one-shot at N = 2 170 ms
-    # on the values, 219 ms on the codes (two int8 products per element against one f32
-    # product of the sum).
+    # N = 4 with block 64 + f32 scales 265 -> 233 ms with the codes, with the default block 32
+    # + bf16 scales (two blocks a group) 265 -> 228 ms (block 64 223 ms in the same run);
+    # one-shot at N = 2 170 ms on the values, 219 ms on the codes (two int8 products per
+    # element against one f32 product of the sum).
     inverse: Literal["auto", "codes", "values"] = "auto"
     # auto: one-shot over 2 devices (two-shot's bytes in one step, each element quantized once
     # instead of twice), two-shot over more (the ring's bytes, error that does not grow with
