@@ -38,7 +38,7 @@ from equarx_serve.collectives import (
     registry,
 )
 from equarx_serve.collectives.base import ring_all_reduce_bytes
-from equarx_serve.collectives.hadamard import block_hadamard, hadamard_codes
+from equarx_serve.collectives.hadamard import block_hadamard, hadamard_scaled_codes
 
 BUILTINS = ["psum", "psum-f32", "ring", "naive-int8", "equarx-int8"]
 FLOAT_DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
@@ -412,15 +412,15 @@ def test_block_hadamard_needs_a_power_of_two(block: int):
     with pytest.raises(ValueError, match="power-of-two"):
         block_hadamard(jnp.zeros((2, block)))
     with pytest.raises(ValueError, match="power-of-two"):
-        hadamard_codes(jnp.zeros((2, block), jnp.int8))
+        hadamard_scaled_codes(jnp.zeros((2, block), jnp.int8), jnp.ones((2, 1)))
 
 
 @pytest.mark.parametrize("block", [4, 16, 64, 256, 32, 128])
-def test_hadamard_codes_rotates_int8_codes(block: int):
+def test_hadamard_scaled_codes_rotates_int8_codes(block: int):
     codes = np.random.default_rng(block).integers(-128, 128, (5, 3, block)).astype(np.int8)
     codes[0, 0] = -128  # the extremes: every sum's magnitude at its largest
     codes[0, 1] = 127
-    got = np.asarray(hadamard_codes(jnp.asarray(codes)))
+    got = np.asarray(hadamard_scaled_codes(jnp.asarray(codes), jnp.ones((5, 3, 1))))
     assert got.shape == codes.shape and got.dtype == np.float32
     want = codes.astype(np.float64) @ sylvester(block) / np.sqrt(block)
     if (block.bit_length() - 1) % 2 == 0:  # 1/sqrt(B) a power of two: exact
@@ -428,7 +428,30 @@ def test_hadamard_codes_rotates_int8_codes(block: int):
     else:  # the exact integer sum times 1/sqrt(B) rounded to f32, rounded: within 2 roundings
         np.testing.assert_allclose(got, want, rtol=2**-23, atol=0)
     with pytest.raises(TypeError, match="int8"):
-        hadamard_codes(jnp.asarray(codes, jnp.int16))
+        hadamard_scaled_codes(jnp.asarray(codes, jnp.int16), jnp.ones((5, 3, 1)))
+
+
+@pytest.mark.parametrize(
+    ("block", "group", "scale_dtype"),
+    [(64, 1, np.float32), (32, 2, jnp.bfloat16), (16, 4, np.float32), (32, 1, np.float32)],
+)
+def test_hadamard_scaled_codes_rotates_the_dequantized_groups(block: int, group: int, scale_dtype):
+    rng = np.random.default_rng(block + group)
+    codes = rng.integers(-127, 128, (3, 4 * group, block)).astype(np.int8)
+    codes[0, 0] = 127  # the largest sums
+    scales = np.asarray(
+        jnp.asarray(rng.uniform(1e-3, 2.0, (3, 4 * group, 1)), scale_dtype), np.float32
+    )
+    got = np.asarray(hadamard_scaled_codes(jnp.asarray(codes), jnp.asarray(scales), group))
+    assert got.shape == codes.shape and got.dtype == np.float32
+    size = group * block
+    values = (codes.astype(np.float64) * scales).reshape(3, -1, size)  # rotation groups
+    want = (values @ sylvester(size) / np.sqrt(size)).reshape(codes.shape)
+    # Every term exact (a bf16 or f32 scale times a sum of at most 12 bits, the normalization
+    # a power of two where group * B is a power of 4), then k - 1 f32 adds.
+    np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * group * 2**-23)
+    with pytest.raises(ValueError, match="multiple of"):
+        hadamard_scaled_codes(jnp.asarray(codes[:, :1]), jnp.asarray(scales[:, :1]), 2)
 
 
 # --- the inverse rotation on the int8 codes ----------------------------------------------------
@@ -437,8 +460,8 @@ def test_hadamard_codes_rotates_int8_codes(block: int):
 def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     default = get_all_reduce("equarx-int8")
     assert not default.inverse_on_codes(2)  # one-shot: one f32 product of the summed values
-    # Two-shot's default codec has two blocks of 32 in each rotation group of 64: the values.
-    assert not default.inverse_on_codes(4)
+    # Two-shot's default codec: two blocks of 32 in each rotation group of 64, mixed by H_2.
+    assert default.inverse_on_codes(4)
     block_64 = get_all_reduce("equarx-int8", block_size=64)
     assert block_64.inverse_on_codes(4)  # two-shot: the owner's payload, rotated as codes
     assert equarx(block_size=64, schedule="two-shot").inverse_on_codes(2)
@@ -447,8 +470,8 @@ def test_the_inverse_runs_on_the_codes_where_each_element_has_one_payload():
     assert not equarx(block_size=64, inverse="values").inverse_on_codes(4)
     with pytest.raises(ValueError, match="inverse='codes'"):
         equarx(inverse="codes")  # the block size is left to the axis size
-    assert not equarx(block_size=32, rotation_block=128).inverse_on_codes(4)  # auto: 1 block
-    assert equarx(block_size=32, rotation_block=128, inverse="codes").inverse_on_codes(4)
+    assert equarx(block_size=32, rotation_block=128).inverse_on_codes(4)  # 4 blocks a group
+    assert not equarx(block_size=32, rotation_block=128).inverse_on_codes(2)  # one-shot
     # Rotation groups smaller than a block, no rotation, or blocks past a dense product: values.
     for other in (
         dict(block_size=64, rotation_block=32),
@@ -465,7 +488,8 @@ INVERSE_CASES = [
     (dict(schedule="one-shot", block_size=64, inverse="codes"), 2, jnp.bfloat16),
     (dict(schedule="two-shot", block_size=16, scale_dtype="bfloat16"), 8, jnp.float32),
     (dict(schedule="two-shot", block_size=128), 4, jnp.float16),
-    # Rotation groups of 2 and 4 blocks (the first is two-shot's default codec).
+    # Rotation groups of 2 and 4 blocks: two-shot's default codec, by default and spelled out.
+    (dict(), 4, jnp.bfloat16),
     (
         dict(block_size=32, scale_dtype="bfloat16", rotation_block=64, inverse="codes"),
         4,

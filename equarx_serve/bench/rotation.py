@@ -12,17 +12,21 @@ once in an order rotated by one per round; a call is timed with `perf_counter` a
    into f32, as before (cast to f32, then the two radix-sqrt(B) stages, the "kronecker" form
    of `collectives.hadamard.block_hadamard`) and now (`block_hadamard` on the bf16 values:
    the dense [B, B] product up to B = 128, on the 16-bit values when the matrix is exact).
-2. The inverse alone, one device: a decoded payload (int8 codes and f32 scales of blocks of
-   64, quantized from a bf16 message of `size` bytes) rotated back into bf16, on the values
+2. The inverse alone, one device: a decoded payload (int8 codes and scales, quantized from a
+   bf16 message of `size` bytes) rotated back into bf16 in groups of 64, on the values
    (`decode` to f32, then the f32 product) and on the codes (`decode_rotated`: the codes'
-   int8 product, then the scales), as `equarx-int8`'s codec runs them.
+   int8 product, then one pass that scales and mixes a group's blocks), as `equarx-int8`'s
+   codec runs them, for each codec of `INVERSE_CODECS` (blocks of 64 with f32 scales, one
+   block a group; two-shot's default, blocks of 32 with bf16 scales, two a group), all
+   side by side.
 3. Inside `equarx-int8` (block 64, default otherwise, size gate off) on `devices` fake CPU
    devices in one process (`ppermute` is a memory copy), the message LLM-activation-like
    (`allreduce_worker.activations`): without rotation; the rotation inside the collective in
    the Kronecker form (the all-reduce before); inside in the dense form (the all-reduce a
    user's shard_map gets); folded into the weights (only the inverse runs: what the model
    runs, `with_rotated_input()`), with the default schedule and its default place for the
-   inverse, then one-shot and two-shot with the inverse on the values and on the codes.
+   inverse, then one-shot and two-shot with the inverse on the values and on the codes, and
+   two-shot with its default codec (block 32, bf16 scales, groups of 64) both ways.
 4. The same programs lowered for TPU (no TPU needed; the quantizer's XLA path, since the
    Pallas kernel is opaque to the count): FLOPs and bytes accessed from XLA's HLO cost analysis.
    These are counts from XLA's generic cost model, not a TPU timing.
@@ -51,12 +55,37 @@ ALL_REDUCE_VARIANTS = (
     "inside, dense (now, standalone)",
     "folded, inverse only (now, model)",
 )
-# The folded form with the inverse placed explicitly: (label, schedule, inverse).
+ROTATION_GROUP = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class InverseCodec:
+    """A quantization codec whose decoded payloads are rotated back in groups of 64."""
+
+    label: str
+    block_size: int
+    scale_dtype: str
+
+    def options(self) -> dict[str, object]:
+        return dict(
+            block_size=self.block_size,
+            scale_dtype=self.scale_dtype,
+            rotation_block=ROTATION_GROUP,
+        )
+
+
+INVERSE_CODECS = (
+    InverseCodec("block 64, f32 scales", 64, "float32"),
+    InverseCodec("block 32, bf16 scales", 32, "bfloat16"),
+)
+# The folded form with the inverse placed explicitly: (label, schedule, inverse, codec).
 INVERSE_VARIANTS = (
-    ("folded, one-shot, inverse on values", "one-shot", "values"),
-    ("folded, one-shot, inverse on codes", "one-shot", "codes"),
-    ("folded, two-shot, inverse on values", "two-shot", "values"),
-    ("folded, two-shot, inverse on codes", "two-shot", "codes"),
+    ("folded, one-shot, inverse on values", "one-shot", "values", INVERSE_CODECS[0]),
+    ("folded, one-shot, inverse on codes", "one-shot", "codes", INVERSE_CODECS[0]),
+    ("folded, two-shot, inverse on values", "two-shot", "values", INVERSE_CODECS[0]),
+    ("folded, two-shot, inverse on codes", "two-shot", "codes", INVERSE_CODECS[0]),
+    ("folded, two-shot, block 32 bf16, on values", "two-shot", "values", INVERSE_CODECS[1]),
+    ("folded, two-shot, block 32 bf16, on codes", "two-shot", "codes", INVERSE_CODECS[1]),
 )
 INVERSE_FORMS = ("values", "codes")
 
@@ -118,6 +147,7 @@ def time_transform(sizes: Sequence[int], blocks: Sequence[int], repeats: int) ->
 
 
 def time_inverse(sizes: Sequence[int], repeats: int) -> list[Timing]:
+    """One Timing per size, keyed "<codec label>: <form>" for every codec and form."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -126,17 +156,32 @@ def time_inverse(sizes: Sequence[int], repeats: int) -> list[Timing]:
     from equarx_serve.collectives.hadamard import HadamardRotation
     from equarx_serve.kernels.block_quantize import quantize_chunk_xla
 
-    codec = get_all_reduce("equarx-int8", block_size=QUANT_BLOCK).codec(jnp.bfloat16)
-    rotation = HadamardRotation(QUANT_BLOCK)
-    variants = {
-        "values": lambda p: rotation.apply(codec.decode(p, jnp.float32), out_dtype=jnp.bfloat16),
-        "codes": lambda p: codec.decode_rotated(p, QUANT_BLOCK).astype(jnp.bfloat16),
-    }
+    rotation = HadamardRotation(ROTATION_GROUP)
     timings = []
     for size in sizes:
-        x = np.random.default_rng(SEED).standard_normal((1, size // 2 // QUANT_BLOCK, QUANT_BLOCK))
-        payload = jax.jit(quantize_chunk_xla, static_argnums=1)(jnp.asarray(x, jnp.float32), 0)
-        timings.append(Timing(size, QUANT_BLOCK, _time_functions(variants, payload, repeats)))
+        message = np.random.default_rng(SEED).standard_normal(size // 2).astype(np.float32)
+        programs = {}
+        for inverse_codec in INVERSE_CODECS:
+            block = inverse_codec.block_size
+            method = get_all_reduce("equarx-int8", **inverse_codec.options())
+            codec = method.codec(jnp.bfloat16)
+            values = jnp.asarray(message.reshape(1, -1, block))
+            payload = jax.jit(quantize_chunk_xla, static_argnums=1, static_argnames="scale_dtype")(
+                values, 0, scale_dtype=jnp.dtype(inverse_codec.scale_dtype)
+            )
+            forms = {
+                "values": lambda p, codec=codec: rotation.apply(
+                    codec.decode(p, jnp.float32).reshape(-1), out_dtype=jnp.bfloat16
+                ),
+                "codes": lambda p, codec=codec: codec.decode_rotated(p, ROTATION_GROUP).astype(
+                    jnp.bfloat16
+                ),
+            }
+            for form, function in forms.items():
+                compiled = jax.jit(function).lower(payload).compile()
+                key = f"{inverse_codec.label}: {form}"
+                programs[key] = lambda compiled=compiled, payload=payload: compiled(payload)
+        timings.append(Timing(size, ROTATION_GROUP, _time_side_by_side(programs, repeats)))
     return timings
 
 
@@ -164,8 +209,14 @@ def all_reduce_bodies() -> dict[str, tuple[Callable[[Any], Any], bool]]:
         ALL_REDUCE_VARIANTS[2]: (lambda x: rotated(x, AXIS), False),
         ALL_REDUCE_VARIANTS[3]: (lambda x: folded(x, AXIS), True),
     }
-    for label, schedule, inverse in INVERSE_VARIANTS:
-        ar = dataclasses.replace(rotated, schedule=schedule, inverse=inverse).with_rotated_input()
+    for label, schedule, inverse, inverse_codec in INVERSE_VARIANTS:
+        ar = get_all_reduce(
+            "equarx-int8",
+            **inverse_codec.options(),
+            schedule=schedule,
+            inverse=inverse,
+            min_size_bytes=0,
+        ).with_rotated_input()
         bodies[label] = (lambda x, ar=ar: ar(x, AXIS), True)
     return bodies
 
@@ -252,15 +303,18 @@ def format_report(
         )
     lines += [
         "",
-        f"== the inverse alone (one device; int8 codes + f32 scales, block {QUANT_BLOCK} "
-        "-> rotated back, bf16) ==",
-        f"{'size':>8} {'values':>10} {'codes':>10} {'speed-up':>9}",
+        "== the inverse alone (one device; int8 codes + scales -> rotated back in groups of "
+        f"{ROTATION_GROUP}, bf16; x: against {INVERSE_CODECS[0].label} on the codes) ==",
+        f"{'size':>8} {'codec':>24} {'values':>10} {'codes':>10} {'speed-up':>9} {'x':>6}",
     ]
     for t in inverse:
-        values, codes = (t.median_ms[form] for form in INVERSE_FORMS)
-        lines.append(
-            f"{format_size(t.size):>8} {values:>8.2f}ms {codes:>8.2f}ms {values / codes:>8.2f}x"
-        )
+        base = t.median_ms[f"{INVERSE_CODECS[0].label}: codes"]
+        for inverse_codec in INVERSE_CODECS:
+            values, codes = (t.median_ms[f"{inverse_codec.label}: {f}"] for f in INVERSE_FORMS)
+            lines.append(
+                f"{format_size(t.size):>8} {inverse_codec.label:>24} {values:>8.2f}ms "
+                f"{codes:>8.2f}ms {values / codes:>8.2f}x {codes / base:>5.2f}x"
+            )
     lines += ["", f"== equarx-int8 (block {QUANT_BLOCK}), {devices} fake CPU devices =="]
     for t in all_reduce:
         base = t.median_ms[ALL_REDUCE_VARIANTS[0]]

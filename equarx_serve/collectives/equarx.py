@@ -31,12 +31,11 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
      a ring of `ppermute`s (every transfer to a neighbour).
   4. Rotate each reduced lane back (the transform is its own inverse), cast back to the input
      dtype, crop. Where every element's result is decoded from one payload (two-shot, ring)
-     and the rotation groups are the quantization blocks (e.g. block_size=64 at N > 2; not
-     two-shot's default codec, two blocks of 32 in each group of 64), the inverse runs on the
-     int8 codes (`inverse="auto"`): H (s q) = s (H q), an exact int8 product scaled once by
-     the block's scale, instead of dequantizing to f32 and rotating that. `inverse="codes"`
-     also takes groups of k blocks: each block rotated as codes, then the group's blocks mixed
-     by H_k (Sylvester: H_kB = H_k (x) H_B); measured slower than the values.
+     and the rotation groups are whole quantization blocks (two-shot's default: two blocks of
+     32 in each group of 64; block_size=64: one), the inverse runs on the int8 codes
+     (`inverse="auto"`): H (s q) = s (H q), an exact int8 product by H_B, then one elementwise
+     pass that scales each block and mixes a group's k blocks by H_k (H_kB = H_k (x) H_B),
+     instead of dequantizing to f32 and rotating that.
 
 Folded rotation: a model can multiply the weights that produce the all-reduce's input by the
 rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotated_input()`
@@ -72,8 +71,7 @@ from equarx_serve.collectives.base import AllReduce, check_float_dtype, ring_all
 from equarx_serve.collectives.hadamard import (
     MAX_DENSE_BLOCK,
     HadamardRotation,
-    combine_rotated_blocks,
-    hadamard_codes,
+    hadamard_scaled_codes,
 )
 from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import LaneFn, RingAllReduce, take_chunk
@@ -156,18 +154,17 @@ class BlockInt8Codec:
 
     def decode_rotated(self, payload: tuple, rotation_block: int) -> jax.Array:
         """`decode` in f32 with every group of `rotation_block` elements (a whole number of
-        rows) times the orthonormal Hadamard transform: each block's scale times its rotated
-        codes (`hadamard_codes`, exact), rounded once; a group of several blocks then mixes
-        its rows (`combine_rotated_blocks`, H_kB = H_k (x) H_B). A row holding the non-finite
-        code is NaN throughout, and so is its group, as rotating its NaN would give."""
+        rows) times the orthonormal Hadamard transform, computed on the codes
+        (`hadamard_scaled_codes`: an exact int8 product by H_B, then one elementwise pass that
+        scales each row and mixes a group's blocks). A row holding the non-finite code is NaN
+        throughout, and so is its group, as rotating its NaN would give."""
         q, scale = self._from_wire(payload)
         # The mark goes into the row's scale (a min over the int8 rows), so the product's
         # scaling and the caller's cast stay one pass; masking the f32 values instead (under
         # a lax.cond on any mark) wrote them out once more: 31-34 vs 20 ms at 16 MiB.
         marked = jnp.min(q, axis=-1, keepdims=True) == block_quantize.NONFINITE_CODE
         scale = jnp.where(marked, jnp.nan, scale.astype(jnp.float32))
-        rotated = hadamard_codes(q) * scale
-        return combine_rotated_blocks(rotated, rotation_block // q.shape[-1])
+        return hadamard_scaled_codes(q, scale, rotation_block // q.shape[-1])
 
 
 @register_all_reduce
@@ -200,12 +197,13 @@ class EquarxInt8(RingAllReduce):
     # its scales (needs rotation groups of whole quantization blocks; in one-shot each of
     # the N payloads is rotated before they are summed); "values" on the f32 sum after
     # dequantizing. "auto": codes where each result element comes from one payload (two-shot,
-    # ring), the rotation groups are the blocks, and the blocks are at most MAX_DENSE_BLOCK (a
-    # dense product); values otherwise.
+    # ring), the rotation groups are whole blocks, and the blocks are at most MAX_DENSE_BLOCK
+    # (a dense product); values otherwise.
     # Measured on 1 Gbit/s emulated hosts, 16 MiB, the model's (pre-rotated) form: two-shot at
-    # N = 4 with block 64 + f32 scales 265 -> 233 ms with the codes; one-shot at N = 2 170 ms
-    # on the values, 219 ms on the codes (two int8 products per element against one f32
-    # product of the sum).
+    # N = 4 with block 64 + f32 scales 265 -> 233 ms with the codes, with the default block 32
+    # + bf16 scales (two blocks a group) 265 -> 228 ms (block 64 223 ms in the same run);
+    # one-shot at N = 2 170 ms on the values, 219 ms on the codes (two int8 products per
+    # element against one f32 product of the sum).
     inverse: Literal["auto", "codes", "values"] = "auto"
     # auto: one-shot over 2 devices (two-shot's bytes in one step, each element quantized once
     # instead of twice), two-shot over more (the ring's bytes, error that does not grow with
@@ -328,12 +326,9 @@ class EquarxInt8(RingAllReduce):
         if self.block_size is None:
             return self.for_axis_size(axis_size).inverse_on_codes(axis_size)
         if self.inverse == "auto":
-            # One block per rotation group only: mixing a group's blocks afterwards (H_k) cost
-            # more than it saved (1 Gbit/s, N = 4, 16 MiB, pre-rotated, block 32 in groups of
-            # 64: 341 ms on the codes vs 290 ms on the values).
             return (
-                self.input_rotation is not None
-                and self.input_rotation.block == self.block_size <= MAX_DENSE_BLOCK
+                self._rotates_blocks
+                and self.block_size <= MAX_DENSE_BLOCK
                 and self.schedule_for(axis_size) != "one-shot"
             )
         return self.inverse == "codes"

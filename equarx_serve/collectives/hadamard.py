@@ -24,18 +24,29 @@ in f32 the two-stage form is no faster at B = 64 and 128 (small [8, 8] products 
 and faster at B = 256. The radix-2 butterfly (B log2 B adds) ran slower than both: log2 B
 strided passes over memory. Every form maps onto GEMM units (TPU MXU, GPU tensor cores).
 
-`hadamard_codes(q)` rotates int8 codes (a block quantizer's, whose blocks are the rotation
-groups: H (s q) = s (H q), so the inverse rotation of a decoded block is its scale times the
-rotated codes): an int8 x int8 product with int32 sums, exact, then one multiply by
-1/sqrt(B). Measured on XLA:CPU (`bench.rotation`: a decoded payload back to bf16, B = 64,
-side by side): 17.2 ms at 16 MiB against 33.4 ms for dequantizing to f32 and the f32 product
-(0.39 vs 0.59 ms at 1 MiB); the codes as bf16 with the exact 16-bit product ran as fast as
-the int8 product at 16 MiB and 1.7x slower at 2 MiB (one side-by-side run).
+`hadamard_scaled_codes(q, scales)` rotates decoded int8 codes (a block quantizer's, whose
+blocks are the rotation groups: H (s q) = s (H q), so the inverse rotation of a decoded block
+is its scale times the rotated codes): an int8 x int8 product with int32 sums, exact, then
+one multiply by scale / sqrt(B). Measured on XLA:CPU (`bench.rotation`: a decoded payload
+back to bf16, B = 64, side by side): 17.2 ms at 16 MiB against 33.4 ms for dequantizing to
+f32 and the f32 product (0.39 vs 0.59 ms at 1 MiB); the codes as bf16 with the exact 16-bit
+product ran as fast as the int8 product at 16 MiB and 1.7x slower at 2 MiB (one run).
+
+With groups of k blocks (`equarx-int8`'s two-shot default: blocks of 32, groups of 64) the
+int8 product by H_B is followed by one fused elementwise pass that scales every block and
+mixes a group's blocks by H_k (H_kB = H_k (x) H_B). Measured on XLA:CPU (`bench.rotation`,
+16 MiB decoded back to bf16, side by side): 22.8 ms for blocks of 32 against 35.4 ms on the
+values and 21.8 ms for one block of 64 a group. Two formulations of the mix ran slower
+(ad-hoc micro-benchmarks, side by side): a [k, k] product across the rows (an extra f32
+pass: 46 vs 18 ms at 16 MiB) and the +-1 factors of H_k broadcast over the rows (the fused
+pass, fed by scales unpacked from an all-gathered byte buffer, 3x slower at 1 MiB: 1.22 vs
+0.41 ms).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Literal
 
@@ -98,33 +109,52 @@ def block_hadamard(
     return rotated.reshape(x.shape)
 
 
-def hadamard_codes(codes: jax.Array) -> jax.Array:
-    """int8 [..., B] -> f32 [..., B], each row times the orthonormal H_B / sqrt(B): an int8
-    product with int32 sums (exact: |sum| <= 127 B) scaled once by 1/sqrt(B), so the result
-    is exact for B a power of 4 (B = 4, 16, 64, 256) and rounded once otherwise."""
+def _code_sums(codes: jax.Array) -> jax.Array:
+    """int8 [..., B] -> int32 [M, B]: every row times the (unnormalized) H_B, exact
+    (|sum| <= 128 B); M is the number of rows."""
     block = codes.shape[-1]
     _check_block(block)
     if codes.dtype != jnp.int8:
-        raise TypeError(f"hadamard_codes rotates int8 codes, got {codes.dtype}")
+        raise TypeError(f"the Hadamard transform of codes takes int8 codes, got {codes.dtype}")
     h = jnp.asarray(hadamard_matrix(block), jnp.int8)
-    sums = jnp.dot(codes.reshape(-1, block), h, preferred_element_type=jnp.int32)  # [M, B]
-    return (sums.astype(jnp.float32) * (1.0 / math.sqrt(block))).reshape(codes.shape)
+    return jnp.dot(codes.reshape(-1, block), h, preferred_element_type=jnp.int32)  # [M, B]
 
 
-def combine_rotated_blocks(rotated: jax.Array, group: int) -> jax.Array:
-    """f32 [..., R, B] rows each already times H_B / sqrt(B), R a multiple of `group` -> every
-    run of `group` consecutive rows (one vector of group * B elements) times
-    H_{group B} / sqrt(group B). Sylvester's matrices factor as H_{kB} = H_k (x) H_B, so this
-    is the [group, group] transform H_k / sqrt(k) across the rows of a run (k multiply-adds an
-    element, f32)."""
+def hadamard_scaled_codes(codes: jax.Array, scales: jax.Array, group: int = 1) -> jax.Array:
+    """Dequantized block codes rotated: int8 codes [..., R, B] times f32 scales [..., R, 1]
+    (one per row), every run of `group` consecutive rows (one vector of group * B elements, R
+    a multiple of `group`) times the orthonormal H_{group B} / sqrt(group B) -> f32 [..., R, B].
+
+    Sylvester's matrices factor as H_{kB} = H_k (x) H_B: one exact int8 product by H_B
+    (int32 sums, `_code_sums`), then one elementwise pass (XLA fuses it) that scales each row by
+    scale / sqrt(kB) and mixes a run's k rows by H_k as k-term sums and differences, joined
+    along the run's axis (see the module doc for what that form is measured against). For
+    B = 32, k = 2 and bf16 scales every term is exact and the sum is rounded once."""
     _check_block(group)
-    if group == 1:
-        return rotated
-    *lead, rows, block = rotated.shape
-    runs = rotated.reshape(*lead, rows // group, group, block)  # [..., R / k, k, B]
-    h = jnp.asarray(hadamard_matrix(group) / math.sqrt(group), jnp.float32)
-    mixed = jnp.einsum("ij,...jb->...ib", h, runs, precision=lax.Precision.HIGHEST)
-    return mixed.reshape(rotated.shape)
+    *lead, rows, block = codes.shape
+    if rows % group or scales.shape != (*lead, rows, 1):
+        raise ValueError(
+            f"need scales [..., R, 1] for codes [..., R, B] with R a multiple of {group}, got "
+            f"codes {codes.shape}, scales {scales.shape}"
+        )
+    sums = _code_sums(codes).reshape(-1, rows // group, group, block)  # [M, R / k, k, B]
+    norm = scales.astype(jnp.float32).reshape(-1, rows // group, group, 1) * (
+        1.0 / math.sqrt(group * block)
+    )
+    scaled = sums.astype(jnp.float32) * norm  # [M, R / k, k, B]
+    terms = [scaled[:, :, j : j + 1] for j in range(group)]  # row j of each run: [M, R / k, 1, B]
+    h = hadamard_matrix(group)  # [k, k], +-1
+    # Output row i of a run is sum_j H_k[i, j] * term j, the k rows joined along the run's
+    # axis (as +-1 factors broadcast over the rows, the fused pass ran 2-3x slower).
+    mixed = [
+        functools.reduce(
+            lambda acc, j, i=i: acc + terms[j] if h[i, j] > 0 else acc - terms[j],
+            range(1, group),
+            terms[0],
+        )
+        for i in range(group)
+    ]
+    return jnp.concatenate(mixed, axis=2).reshape(codes.shape)
 
 
 @dataclasses.dataclass(frozen=True)
