@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from equarx_serve.cache_root import CACHE_ENV, default_cache_root
 from models.gguf import (
     GEMMA3_270M,
     Gemma3Hparams,
@@ -58,7 +59,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "EQUARX_SERVE_CACHE"
 FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _TOKENIZER = "tokenizer.model"
@@ -83,12 +83,6 @@ class LoadInfo:
     hparams: Gemma3Hparams
     from_cache: bool  # False when this call converted the GGUF file
     seconds: float  # wall time of this call
-
-
-def default_cache_root() -> Path:
-    """`$EQUARX_SERVE_CACHE`, else `~/.cache/equarx-serve`."""
-    env = os.environ.get(CACHE_ENV)
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "equarx-serve"
 
 
 # -- checksums -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import pytest
 from conftest import mesh_of
 from jax.sharding import PartitionSpec as P
 
+from equarx_serve.cache_root import CACHE_ENV
 from equarx_serve.kernels import head_gemv
 from models import vocab_parallel
 
@@ -77,7 +78,7 @@ def test_the_kernel_is_a_custom_call_and_can_be_switched_off(monkeypatch):
 def test_a_failed_compile_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
     """No library for this source in a fresh cache and a compiler that fails: a clear error
     from the build, and registration says False with a warning (callers use XLA's dot)."""
-    monkeypatch.setenv(head_gemv.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="failed"):
         head_gemv._compile()
@@ -88,7 +89,7 @@ def test_a_failed_compile_falls_back_with_a_warning(monkeypatch, tmp_path, caplo
 
 
 def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
-    monkeypatch.setenv(head_gemv.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     first = head_gemv._compile()
     stamp = first.stat().st_mtime_ns
     monkeypatch.setenv("CXX", "false")  # a second build would fail

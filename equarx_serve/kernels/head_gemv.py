@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import jaxlib
 from jax import lax
 
+from equarx_serve.cache_root import default_cache_root
+
 __all__ = ["MAX_ROWS", "matmul", "native_available", "pays", "reference"]
 
 logger = logging.getLogger("equarx_serve.kernels")
@@ -50,18 +52,11 @@ TARGET = "equarx_head_gemv"
 SOURCE = Path(__file__).with_suffix(".cc")
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 DISABLE_ENV = "EQUARX_SERVE_NATIVE_KERNELS"
-CACHE_ENV = "EQUARX_SERVE_CACHE"  # the cache root models/cache.py uses too
 
 
 def reference(x: jax.Array, table: jax.Array) -> jax.Array:
     """x [B, D], table [V, D] -> x table^T [B, V] in float32."""
     return jnp.einsum("BD,VD->BV", x, table, preferred_element_type=jnp.float32)
-
-
-def _build_dir() -> Path:
-    root = os.environ.get(CACHE_ENV)
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "equarx-serve"
-    return base / "kernels"
 
 
 def _cpu_signature() -> bytes:
@@ -83,7 +78,7 @@ def _compile() -> Path:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on the PATH")
     parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode()]
     key = hashlib.sha256(b"\0".join([*parts, _cpu_signature()])).hexdigest()[:16]
-    library = _build_dir() / f"head_gemv-{key}.so"
+    library = default_cache_root() / "kernels" / f"head_gemv-{key}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
