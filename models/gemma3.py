@@ -812,7 +812,7 @@ class Gemma3Shard(nn.Module):
         normed = rms_norm(attn_output, p["pre_ffw_norm"]["scale"])
         w_gating = p["mlp"]["gating_einsum"]
         if c.transpose_gating_einsum:  # [2, F, D]: one product with its [2 F, D] view
-            gate = _rows_times_table(normed, w_gating.reshape(-1, d)).reshape(b, 2, -1)  # [B,2,F]
+            gate = head_gemv.rows_times_table(normed, w_gating.reshape(-1, d)).reshape(b, 2, -1)
         else:  # [2, D, F]
             gate = jnp.swapaxes(_per_head(normed, w_gating), 0, 1)  # [B, 2, F]
         activations = nn.gelu(gate[:, 0]) * gate[:, 1]  # [B, F]
@@ -851,15 +851,6 @@ class Gemma3Shard(nn.Module):
             q, cache, positions[:, None], attn_mask, None, local=local, decoding=True
         )
         return cache, encoded
-
-
-def _rows_times_table(x: jax.Array, table: jax.Array) -> jax.Array:
-    """x [B, D] times a weight [O, D] stored output-major -> [B, O] in x's dtype: the native
-    few-rows kernel where it pays (`head_gemv`: it reads the weight at memory speed, XLA:CPU's
-    dot at about half of it), else XLA's dot."""
-    if head_gemv.pays(x, table):
-        return head_gemv.matmul(x, table).astype(x.dtype)
-    return lax.dot_general(x, table, (((1,), (1,)), ((), ())))
 
 
 def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:

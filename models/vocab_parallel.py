@@ -62,23 +62,13 @@ def logits_block(
     x: jax.Array, table_block: jax.Array, *, softcap: float | None = None
 ) -> jax.Array:
     """x [..., D] (replicated) and this device's table rows [V/T, D] -> its logits [..., V/T],
-    computed as gemma computes the whole (in the operands' dtype, then soft-capped).
-
-    Up to `head_gemv.MAX_ROWS` rows of a bfloat16 table (decode, a prefill's last tokens) go
-    through the native kernel on CPU, which reads the table once at memory speed (XLA:CPU's dot
-    runs at half of it). Otherwise XLA's dot; there a single row is computed as two (a zero row
-    added, its logits dropped): XLA:CPU's matrix-vector path for bf16 converts the whole table
-    to f32 on every call (measured at Gemma 3 270M's [V/2 = 131072, 640] per device: 448 ms
-    for 1 row, 25 ms for 2)."""
+    computed as gemma computes the whole (in the operands' dtype, then soft-capped), by
+    `head_gemv.rows_times_table`: up to `head_gemv.MAX_ROWS` rows of a bfloat16 table
+    (decode, a prefill's last tokens) through the native kernel on CPU, which reads the table
+    once at memory speed (XLA:CPU's dot runs at half of it), else XLA's dot."""
     rows = math.prod(x.shape[:-1])
-    flat = x.reshape(rows, x.shape[-1])  # [rows, D]
-    if head_gemv.pays(flat, table_block):
-        logits = head_gemv.matmul(flat, table_block).astype(x.dtype).reshape(*x.shape[:-1], -1)
-    elif rows == 1:
-        pair = jnp.concatenate([x.reshape(1, -1), jnp.zeros_like(x.reshape(1, -1))])  # [2, D]
-        logits = jnp.einsum("BD,VD->BV", pair, table_block)[:1].reshape(*x.shape[:-1], -1)
-    else:
-        logits = jnp.einsum("...D,VD->...V", x, table_block)
+    flat = head_gemv.rows_times_table(x.reshape(rows, x.shape[-1]), table_block)  # [rows, V/T]
+    logits = flat.reshape(*x.shape[:-1], -1)
     if softcap is not None:
         logits = jnp.tanh(logits / softcap) * softcap
     return logits

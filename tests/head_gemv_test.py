@@ -117,22 +117,21 @@ def test_vocab_parallel_logits_use_the_kernel_and_match_xla():
         np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
 
 
-def test_decode_gating_product_uses_the_kernel_where_it_pays():
-    """The decode step's gating product (`gemma3._rows_times_table`): the kernel up to
-    MAX_ROWS bf16 rows, XLA's dot above and for f32, the same values within one rounding."""
-    from models.gemma3 import _rows_times_table
-
+def test_rows_times_table_uses_the_kernel_where_it_pays():
+    """`rows_times_table` (the decode step's gating product, the head's logits): the kernel
+    up to MAX_ROWS bf16 rows, XLA's dot above and for f32, the same values within one
+    rounding."""
     for rows, dtype in (
         (2, jnp.bfloat16),
         (head_gemv.MAX_ROWS + 1, jnp.bfloat16),
         (2, jnp.float32),
     ):
         x, weight = (a.astype(dtype) for a in _operands(rows, 64, vocab=96, seed=rows))
-        program = jax.jit(_rows_times_table).lower(x, weight).as_text()
+        program = jax.jit(head_gemv.rows_times_table).lower(x, weight).as_text()
         assert (head_gemv.TARGET in program) == (
             rows <= head_gemv.MAX_ROWS and dtype == jnp.bfloat16
         )
-        got = jax.jit(_rows_times_table)(x, weight)
+        got = jax.jit(head_gemv.rows_times_table)(x, weight)
         want = jax.lax.dot_general(x, weight, (((1,), (1,)), ((), ())))
         assert got.dtype == dtype
         np.testing.assert_allclose(
