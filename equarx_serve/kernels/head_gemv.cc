@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -43,100 +44,112 @@ inline float Bf16ToF32(uint16_t bits) {
   return value;
 }
 
+inline float ToF32(uint16_t bf16) { return Bf16ToF32(bf16); }
+inline float ToF32(float value) { return value; }
+
+// What one build multiplies with: X, x's element as the loop reads it; W, one chunk of kChunk
+// table elements; Acc, an accumulator register. Load widens a chunk of the table, Madd adds a
+// chunk's products with x to an accumulator, Sum adds two accumulators' lanes.
+#if defined(__AVX512BF16__)
+// vdpbf16ps: 32 bf16 products a register, summed in pairs into 16 f32 lanes; x stays bf16.
+struct Lanes {
+  using X = uint16_t;
+  using W = __m512bh;
+  using Acc = __m512;
+  static constexpr int64_t kChunk = 32;
+  static W Load(const uint16_t* p) {
+    return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  }
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static Acc Madd(Acc acc, W w, const X* x) { return _mm512_dpbf16_ps(acc, w, Load(x)); }
+  static float Sum(Acc a, Acc b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+};
+#elif defined(__AVX512F__)
+// 16 bf16 widened to f32 (zero-extended to 32 bits, shifted into the high half), then FMA.
+struct Lanes {
+  using X = float;
+  using W = __m512;
+  using Acc = __m512;
+  static constexpr int64_t kChunk = 16;
+  static W Load(const uint16_t* p) {
+    __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+  }
+  static Acc Zero() { return _mm512_setzero_ps(); }
+  static Acc Madd(Acc acc, W w, const X* x) { return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc); }
+  static float Sum(Acc a, Acc b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+};
+#else
+// Plain loops over 16 lanes, for the compiler to vectorize.
+struct Lanes {
+  static constexpr int64_t kChunk = 16;
+  using X = float;
+  struct Acc {
+    float lane[kChunk];
+  };
+  using W = Acc;
+  static W Load(const uint16_t* p) {
+    W w;
+    for (int64_t l = 0; l < kChunk; ++l) w.lane[l] = Bf16ToF32(p[l]);
+    return w;
+  }
+  static Acc Zero() { return Acc{}; }
+  static Acc Madd(Acc acc, const W& w, const X* x) {
+    for (int64_t l = 0; l < kChunk; ++l) acc.lane[l] += w.lane[l] * x[l];
+    return acc;
+  }
+  static float Sum(const Acc& a, const Acc& b) {
+    float sum = 0.0f;
+    for (int64_t l = 0; l < kChunk; ++l) sum += a.lane[l] + b.lane[l];
+    return sum;
+  }
+};
+#endif
+
 // The elements [from, d) of one table row times one x row, in plain f32.
-inline float Tail(const uint16_t* t, const uint16_t* x, int64_t from, int64_t d) {
+inline float Tail(const uint16_t* t, const Lanes::X* x, int64_t from, int64_t d) {
   float sum = 0.0f;
-  for (int64_t k = from; k < d; ++k) sum += Bf16ToF32(t[k]) * Bf16ToF32(x[k]);
+  for (int64_t k = from; k < d; ++k) sum += Bf16ToF32(t[k]) * ToF32(x[k]);
   return sum;
 }
 
-#if defined(__AVX512BF16__)
-constexpr int64_t kChunk = 32;  // bf16 a register
-
-inline __m512bh LoadPairs(const uint16_t* p) {
-  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
-}
-
-// kRows rows of x times every table row, into out (row stride v).
+// kRows rows of x times every table row, into out (row stride v): each table chunk loaded once
+// for all rows, two accumulators per row (even and odd chunks).
 template <int64_t kRows>
-void Pass(const uint16_t* x, const uint16_t* table, float* out, int64_t v, int64_t d) {
+void Pass(const Lanes::X* x, const uint16_t* table, float* out, int64_t v, int64_t d) {
+  constexpr int64_t kChunk = Lanes::kChunk;
   const int64_t full = d - d % (2 * kChunk);
   for (int64_t row = 0; row < v; ++row) {
     const uint16_t* t = table + row * d;
-    __m512 even[kRows], odd[kRows];
-    for (int64_t b = 0; b < kRows; ++b) even[b] = odd[b] = _mm512_setzero_ps();
+    Lanes::Acc even[kRows], odd[kRows];
+    for (int64_t b = 0; b < kRows; ++b) even[b] = odd[b] = Lanes::Zero();
     for (int64_t k = 0; k < full; k += 2 * kChunk) {
-      const __m512bh w0 = LoadPairs(t + k), w1 = LoadPairs(t + k + kChunk);
+      const Lanes::W w0 = Lanes::Load(t + k), w1 = Lanes::Load(t + k + kChunk);
       for (int64_t b = 0; b < kRows; ++b) {
-        even[b] = _mm512_dpbf16_ps(even[b], w0, LoadPairs(x + b * d + k));
-        odd[b] = _mm512_dpbf16_ps(odd[b], w1, LoadPairs(x + b * d + k + kChunk));
+        even[b] = Lanes::Madd(even[b], w0, x + b * d + k);
+        odd[b] = Lanes::Madd(odd[b], w1, x + b * d + k + kChunk);
       }
     }
     for (int64_t b = 0; b < kRows; ++b) {
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[b], odd[b]));
-      out[b * v + row] = sum + Tail(t, x + b * d, full, d);
+      out[b * v + row] = Lanes::Sum(even[b], odd[b]) + Tail(t, x + b * d, full, d);
     }
   }
 }
-#elif defined(__AVX512F__)
-constexpr int64_t kChunk = 16;  // f32 a register
 
-// 16 bf16 -> 16 f32 (zero-extend each to 32 bits, then shift it into the high half).
-inline __m512 Widen(const uint16_t* p) {
-  __m256i halves = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
-}
-
-template <int64_t kRows>
-void Pass(const uint16_t* x, const uint16_t* table, float* out, int64_t v, int64_t d) {
-  const int64_t full = d - d % (2 * kChunk);
-  std::vector<float> xf(kRows * d);  // x widened once
-  for (int64_t i = 0; i < kRows * d; ++i) xf[i] = Bf16ToF32(x[i]);
-  for (int64_t row = 0; row < v; ++row) {
-    const uint16_t* t = table + row * d;
-    __m512 even[kRows], odd[kRows];
-    for (int64_t b = 0; b < kRows; ++b) even[b] = odd[b] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < full; k += 2 * kChunk) {
-      const __m512 w0 = Widen(t + k), w1 = Widen(t + k + kChunk);
-      for (int64_t b = 0; b < kRows; ++b) {
-        even[b] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(&xf[b * d + k]), even[b]);
-        odd[b] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(&xf[b * d + k + kChunk]), odd[b]);
-      }
-    }
-    for (int64_t b = 0; b < kRows; ++b) {
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(even[b], odd[b]));
-      out[b * v + row] = sum + Tail(t, x + b * d, full, d);
-    }
+// x [n] bf16 as the loop reads it: as stored, or widened once into `widened` for the builds
+// that multiply in f32.
+template <typename X>
+const X* Prepared(const uint16_t* raw, int64_t n, std::vector<float>& widened) {
+  if constexpr (std::is_same_v<X, uint16_t>) {
+    return raw;
+  } else {
+    widened.resize(n);
+    for (int64_t i = 0; i < n; ++i) widened[i] = Bf16ToF32(raw[i]);
+    return widened.data();
   }
 }
-#else
-constexpr int64_t kChunk = 16;  // lanes
 
-template <int64_t kRows>
-void Pass(const uint16_t* x, const uint16_t* table, float* out, int64_t v, int64_t d) {
-  const int64_t full = d - d % kChunk;
-  std::vector<float> xf(kRows * d);  // x widened once
-  for (int64_t i = 0; i < kRows * d; ++i) xf[i] = Bf16ToF32(x[i]);
-  for (int64_t row = 0; row < v; ++row) {
-    const uint16_t* t = table + row * d;
-    float acc[kRows][kChunk] = {};
-    for (int64_t k = 0; k < full; k += kChunk) {
-      float w[kChunk];
-      for (int64_t l = 0; l < kChunk; ++l) w[l] = Bf16ToF32(t[k + l]);
-      for (int64_t b = 0; b < kRows; ++b) {
-        for (int64_t l = 0; l < kChunk; ++l) acc[b][l] += w[l] * xf[b * d + k + l];
-      }
-    }
-    for (int64_t b = 0; b < kRows; ++b) {
-      float sum = 0.0f;
-      for (int64_t l = 0; l < kChunk; ++l) sum += acc[b][l];
-      out[b * v + row] = sum + Tail(t, x + b * d, full, d);
-    }
-  }
-}
-#endif
-
-using PassFn = void (*)(const uint16_t*, const uint16_t*, float*, int64_t, int64_t);
+using PassFn = void (*)(const Lanes::X*, const uint16_t*, float*, int64_t, int64_t);
 constexpr PassFn kPasses[kMaxRows + 1] = {nullptr,  Pass<1>, Pass<2>, Pass<3>, Pass<4>,
                                           Pass<5>, Pass<6>, Pass<7>, Pass<8>};
 
@@ -148,7 +161,9 @@ ffi::Error HeadGemv(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> table,
     return ffi::Error::InvalidArgument("head_gemv: want x [B, D] and table [V, D]");
   }
   const int64_t rows = x_dims[0], d = x_dims[1], v = t_dims[0];
-  const auto* xs = reinterpret_cast<const uint16_t*>(x.typed_data());
+  std::vector<float> widened;
+  const Lanes::X* xs = Prepared<Lanes::X>(
+      reinterpret_cast<const uint16_t*>(x.typed_data()), rows * d, widened);
   const auto* ts = reinterpret_cast<const uint16_t*>(table.typed_data());
   float* os = out->typed_data();
   for (int64_t first = 0; first < rows; first += kMaxRows) {
