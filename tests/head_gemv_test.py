@@ -12,7 +12,7 @@ from conftest import mesh_of
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.cache_root import CACHE_ENV
-from equarx_serve.kernels import head_gemv
+from equarx_serve.kernels import head_gemv, native
 from models import vocab_parallel
 
 pytestmark = pytest.mark.skipif(
@@ -69,10 +69,10 @@ def test_the_kernel_is_a_custom_call_and_can_be_switched_off(monkeypatch):
     def program() -> str:  # traced afresh (jit caches traces by function)
         return jax.jit(lambda x, table: head_gemv.matmul(x, table)).lower(x, table).as_text()
 
-    assert head_gemv.TARGET in program()
-    monkeypatch.setenv(head_gemv.DISABLE_ENV, "0")
+    assert head_gemv.KERNEL.target in program()
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
     assert not head_gemv.native_available()
-    assert head_gemv.TARGET not in program()
+    assert head_gemv.KERNEL.target not in program()
 
 
 def test_a_failed_compile_falls_back_with_a_warning(monkeypatch, tmp_path, caplog):
@@ -81,19 +81,19 @@ def test_a_failed_compile_falls_back_with_a_warning(monkeypatch, tmp_path, caplo
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match="failed"):
-        head_gemv._compile()
+        head_gemv.KERNEL.build()
     assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-written left
     with caplog.at_level(logging.WARNING, "equarx_serve.kernels"):
-        assert head_gemv._register.__wrapped__() is False
+        assert native.register.__wrapped__(head_gemv.KERNEL) is False
     assert "unavailable, using XLA's dot" in caplog.text
 
 
 def test_the_library_is_built_once_and_reused(monkeypatch, tmp_path):
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
-    first = head_gemv._compile()
+    first = head_gemv.KERNEL.build()
     stamp = first.stat().st_mtime_ns
     monkeypatch.setenv("CXX", "false")  # a second build would fail
-    assert head_gemv._compile() == first and first.stat().st_mtime_ns == stamp
+    assert head_gemv.KERNEL.build() == first and first.stat().st_mtime_ns == stamp
 
 
 def test_vocab_parallel_logits_use_the_kernel_and_match_xla():
@@ -110,7 +110,7 @@ def test_vocab_parallel_logits_use_the_kernel_and_match_xla():
             jax.shard_map(logits, mesh=mesh, in_specs=(P(), P("tp", None)), out_specs=P(None, "tp"))
         )
         text = sharded.lower(x, table).as_text()
-        assert (head_gemv.TARGET in text) == (rows <= head_gemv.MAX_ROWS)
+        assert (head_gemv.KERNEL.target in text) == (rows <= head_gemv.MAX_ROWS)
         got = np.asarray(sharded(x, table), np.float32)
         want = np.asarray(jnp.einsum("BD,VD->BV", x, table), np.float32)
         np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
@@ -128,7 +128,7 @@ def test_rows_times_table_uses_the_kernel_where_it_pays():
     ):
         x, weight = (a.astype(dtype) for a in _operands(rows, 64, vocab=96, seed=rows))
         program = jax.jit(head_gemv.rows_times_table).lower(x, weight).as_text()
-        assert (head_gemv.TARGET in program) == (
+        assert (head_gemv.KERNEL.target in program) == (
             rows <= head_gemv.MAX_ROWS and dtype == jnp.bfloat16
         )
         got = jax.jit(head_gemv.rows_times_table)(x, weight)

@@ -12,11 +12,9 @@ Measured at Gemma 3 270M's head per device, [B, 640] x [640, 131072], 2 host dev
 path: 240 ms.)
 
 On CPU, `matmul` is a custom call into `head_gemv.cc` (algorithm and cost there), compiled on
-first use with the system's C++ compiler (`c++ -O3 -march=native`, ~4 s) into
-`$EQUARX_SERVE_CACHE/kernels` (default `~/.cache/equarx-serve/kernels`), keyed by the
-source, the flags, the jaxlib version and the CPU's features, and loaded with ctypes.
-Elsewhere (TPU, GPU), with `EQUARX_SERVE_NATIVE_KERNELS=0`, or where the compiler fails (a
-warning, once), it is `reference`, the einsum.
+first use (`native.py`: `c++ -O3 -march=native`, ~4 s, cached in
+`$EQUARX_SERVE_CACHE/kernels`). Elsewhere (TPU, GPU), with `EQUARX_SERVE_NATIVE_KERNELS=0`, or
+where the compiler fails (a warning, once), it is `reference`, the einsum.
 
 Numerics: exact f32 products of the bf16 inputs, summed in f32, as XLA:CPU's bf16 dot does, in
 another order: the two differ in the last bits of the f32 sums (tested). Where the CPU has
@@ -25,33 +23,20 @@ AVX512-BF16 (`vdpbf16ps`), denormal inputs and sums are flushed to zero.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import jaxlib
 from jax import lax
 
-from equarx_serve.cache_root import default_cache_root
+from equarx_serve.kernels.native import NativeKernel
 
 __all__ = ["MAX_ROWS", "matmul", "native_available", "pays", "reference", "rows_times_table"]
 
-logger = logging.getLogger("equarx_serve.kernels")
-
 MAX_ROWS = 8  # one pass over the table; above, XLA:CPU's dot is faster (see the module doc)
-TARGET = "equarx_head_gemv"
-SOURCE = Path(__file__).with_suffix(".cc")
-FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
-DISABLE_ENV = "EQUARX_SERVE_NATIVE_KERNELS"
+KERNEL = NativeKernel(
+    Path(__file__).with_suffix(".cc"), "EquarxHeadGemv", "equarx_head_gemv", "XLA's dot"
+)
 
 
 def reference(x: jax.Array, table: jax.Array) -> jax.Array:
@@ -59,56 +44,10 @@ def reference(x: jax.Array, table: jax.Array) -> jax.Array:
     return jnp.einsum("BD,VD->BV", x, table, preferred_element_type=jnp.float32)
 
 
-def _cpu_signature() -> bytes:
-    """What -march=native compiled for: the CPU's feature flags (a cache shared by machines
-    with other CPUs must not hand them this one's library)."""
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor().encode()
-    flags = next((line for line in cpuinfo.splitlines() if line.startswith("flags")), "")
-    return flags.encode()
-
-
-def _compile() -> Path:
-    """The kernel's shared library, compiled unless the cache holds it (atomic: concurrent
-    processes each write their own file and rename it into place)."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on the PATH")
-    parts = [SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode()]
-    key = hashlib.sha256(b"\0".join([*parts, _cpu_signature()])).hexdigest()[:16]
-    library = default_cache_root() / "kernels" / f"head_gemv-{key}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
-        built = Path(tmp) / library.name
-        command = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
-        os.replace(built, library)
-    return library
-
-
 def native_available() -> bool:
     """Whether the CPU kernel is registered (compiling it on the first call), unless
     `EQUARX_SERVE_NATIVE_KERNELS=0`."""
-    return os.environ.get(DISABLE_ENV, "1") != "0" and _register()
-
-
-@functools.cache
-def _register() -> bool:
-    """Compiles (or finds) and registers the kernel, once a process; False if that fails."""
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_compile()))
-        handler = jax.ffi.pycapsule(library.EquarxHeadGemv)
-        jax.ffi.register_ffi_target(TARGET, handler, platform="cpu")
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("the native head kernel is unavailable, using XLA's dot: %s", e)
-        return False
-    return True
+    return KERNEL.available()
 
 
 def pays(x: jax.Array, table: jax.Array) -> bool:
@@ -121,7 +60,7 @@ def pays(x: jax.Array, table: jax.Array) -> bool:
 
 def _native(x: jax.Array, table: jax.Array) -> jax.Array:
     out = jax.ShapeDtypeStruct((x.shape[0], table.shape[0]), jnp.float32)
-    logits = jax.ffi.ffi_call(TARGET, out)(x, table)
+    logits = jax.ffi.ffi_call(KERNEL.target, out)(x, table)
     # Inside shard_map the result varies over the mesh axes its operands vary over.
     varying = tuple(jax.typeof(x).mat.varying | jax.typeof(table).mat.varying)
     return lax.pcast(logits, varying, to="varying") if varying else logits
