@@ -143,6 +143,7 @@ def pipelined_all_reduce(
     prepare: LaneFn | None = None,
     decode: PayloadFn | None = None,
     finish: LaneFn | None = None,
+    combine: PayloadFn | None = None,
 ) -> jax.Array:
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
 
@@ -152,6 +153,10 @@ def pipelined_all_reduce(
     returns for each source's payload: e.g. the inverse rotation applied to int8 codes); and
     `finish` maps each reduced lane of those values to the output in `out_dtype` (e.g. the
     inverse rotation). All per lane, so lane k's transforms can overlap lane k+1's transfer.
+    One-shot only: `combine` maps the N all-gathered payloads, as the bytes they travel in
+    ([N (source rank), bytes]: each one's `pack_payload`), straight to the lane's N * R * B
+    outputs in out_dtype, in place of `decode`, the sum in rank order and `finish` (a fused
+    kernel doing all three on the received bytes as they are).
     """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
@@ -163,8 +168,16 @@ def pipelined_all_reduce(
 
     if schedule == "one-shot":
         return _one_shot_all_reduce(
-            lanes, axis_name, codec, prepare=prepare, decode=decode, finish=finish
+            lanes,
+            axis_name,
+            codec,
+            prepare=prepare,
+            decode=decode,
+            finish=finish,
+            combine=combine,
         )
+    if combine is not None:
+        raise ValueError(f"combine is for the one-shot schedule, not {schedule!r}")
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
@@ -233,21 +246,26 @@ def _ring_all_gather(payload: Payload, owned: jax.Array, axis_name: str, directi
 def all_gather_payload(payload: Payload, axis_name: str) -> Payload:
     """Every device's `payload`, stacked in rank order (leaves [N, ...]), in ONE all-gather
     (gloo's on CPU, NCCL's on GPU). A payload of several arrays travels bit-cast to bytes in one
-    buffer, so the scales ride with the values instead of costing a collective of their own (a
-    small extra collective costs ~20 ms on a 1 Gbit/s link here)."""
+    buffer (`pack_payload`), so the scales ride with the values instead of costing a collective
+    of their own (a small extra collective costs ~20 ms on a 1 Gbit/s link here)."""
     leaves, treedef = jax.tree.flatten(payload)
     if len(leaves) == 1:
         return jax.tree.unflatten(treedef, [lax.all_gather(leaves[0], axis_name)])
-    as_bytes = [lax.bitcast_convert_type(leaf, jnp.uint8).reshape(-1) for leaf in leaves]
-    gathered = lax.all_gather(jnp.concatenate(as_bytes), axis_name)  # [N, bytes]
+    gathered = lax.all_gather(pack_payload(payload), axis_name)  # [N, bytes]
     n, unpacked, offset = gathered.shape[0], [], 0
-    for leaf, raw in zip(leaves, as_bytes, strict=True):
-        part = gathered[:, offset : offset + raw.size]
-        offset += raw.size
+    for leaf in leaves:
         itemsize = jnp.dtype(leaf.dtype).itemsize
+        part = gathered[:, offset : offset + leaf.size * itemsize]
+        offset += leaf.size * itemsize
         bytes_shape = (n, *leaf.shape) + ((itemsize,) if itemsize > 1 else ())
         unpacked.append(lax.bitcast_convert_type(part.reshape(bytes_shape), leaf.dtype))
     return jax.tree.unflatten(treedef, unpacked)
+
+
+def pack_payload(payload: Payload) -> jax.Array:
+    """A payload's arrays as one u8 buffer: each leaf's bytes (native order), in tree order."""
+    leaves = jax.tree.leaves(payload)
+    return jnp.concatenate([lax.bitcast_convert_type(a, jnp.uint8).reshape(-1) for a in leaves])
 
 
 def _one_shot_all_reduce(
@@ -258,6 +276,7 @@ def _one_shot_all_reduce(
     prepare: LaneFn,
     decode: PayloadFn,
     finish: LaneFn,
+    combine: PayloadFn | None,
 ) -> jax.Array:
     """Every device encodes its whole lane once and all-gathers it (one collective per lane);
     every device decodes all N payloads, its own too, and sums them in f32 in rank order, so
@@ -272,6 +291,10 @@ def _one_shot_all_reduce(
                     lambda *chunks: jnp.stack(chunks),
                     *[codec.encode_chunk(values, jnp.int32(i)) for i in range(n)],
                 )  # leaves [N, R, ...]
+                if combine is not None:
+                    packed = lax.all_gather(pack_payload(own), axis_name)  # [N, bytes]
+                    decoded.append(combine(packed).reshape(lanes.shape[2:]))
+                    continue
                 by_rank = all_gather_payload(own, axis_name)  # [N (source rank), N, R, ...]
                 values = decode(by_rank)  # [N, N, R, B] f32
                 # Added one by one in rank order: one elementwise pass. (`jnp.sum` over the
@@ -348,9 +371,11 @@ class RingAllReduce(AllReduce):
         prepare: LaneFn | None = None,
         decode: PayloadFn | None = None,
         finish: LaneFn | None = None,
+        combine: PayloadFn | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
-        `out_dtype`; `prepare`, `decode` and `finish` are `pipelined_all_reduce`'s hooks."""
+        `out_dtype`; `prepare`, `decode`, `finish` and `combine` are `pipelined_all_reduce`'s
+        hooks."""
         layout = self.layout(x.size, axis_size)
         schedule = self.schedule_for(axis_size)
         with jax.named_scope(f"{self.name}_{schedule}".replace("-", "_")):
@@ -363,6 +388,7 @@ class RingAllReduce(AllReduce):
                 prepare=prepare,
                 decode=decode,
                 finish=finish,
+                combine=combine,
             )
         return layout.from_lanes(reduced, x.shape)
 

@@ -1,0 +1,226 @@
+// Dequantize K int8 payloads, sum them, rotate back: the XLA:CPU custom call behind
+// dequantize_rotate.py (one-shot EQuARX's last step).
+//
+//   v[m, :]   = sum_k codes[k, m, :] * scales[k, m]        in f32, k = 0, 1, ..., K-1 in order
+//   out[m, :] = bf16(H_B v[m, :] / sqrt(B))                 (hadamard = 1; else bf16(v[m, :]))
+//
+// The K payloads arrive as all-gathered bytes, packed [K, M * B + 4 * M] u8: payload k is its
+// codes int8 [M, B] then its scales f32 [M] (native byte order). out bf16 [M, B]; B (attribute
+// `block`) a power of two from 2 to 256. The
+// non-finite code (-128) decodes to NaN, and a NaN in a row makes the whole rotated row NaN, as
+// the dense product by H does. H_B v / sqrt(B) is the fast Walsh-Hadamard transform: log2(B)
+// stages of sums and differences of pairs (stride B/2 first), each value rounded once a stage,
+// halved after every second stage (see Fwht). The f32 -> bf16 step
+// rounds to nearest even, NaN stays NaN. No fused multiply-adds (-ffp-contract=off), so every
+// build gives the same bits.
+//
+// Cost: K * M * (B + 4) bytes read, 2 * M * B written; per element K multiplies, K - 1
+// adds and log2(B) adds. One pass over the data, a row at a time in a stack array: memory-bound
+// (XLA:CPU's dense [B, B] product by H costs B multiply-adds an element instead of log2(B)).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int8_t kNonFiniteCode = -128;
+constexpr int64_t kMaxBlock = 256;
+
+inline uint16_t F32ToBf16(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// In-place orthonormal fast Walsh-Hadamard transform of B values: log2(B) stages, stride B/2
+// first, each value halved after every second stage (exact, and the values never grow past
+// twice the output's bound, so no stage overflows where the result does not), and for odd
+// log2(B) a last multiply by 1/sqrt(2) (rounded).
+template <int64_t B>
+inline void Fwht(float* v) {
+  int stage = 0;
+  for (int64_t half = B / 2; half >= 1; half /= 2) {
+    ++stage;
+    for (int64_t start = 0; start < B; start += 2 * half) {
+      for (int64_t j = start; j < start + half; ++j) {
+        const float a = v[j], b = v[j + half];
+        v[j] = a + b;
+        v[j + half] = a - b;
+      }
+    }
+    if (stage % 2 == 0) {
+      for (int64_t e = 0; e < B; ++e) v[e] *= 0.5f;
+    }
+  }
+  if (stage % 2 == 1) {
+    const float inv_sqrt2 = 1.0f / std::sqrt(2.0f);
+    for (int64_t e = 0; e < B; ++e) v[e] *= inv_sqrt2;
+  }
+}
+
+// Payload p of `packed` (p * stride bytes in): its codes, then its scales at m * B bytes in.
+struct Payloads {
+  const uint8_t* packed;
+  int64_t stride, m, block;
+  const int8_t* Codes(int64_t p, int64_t row) const {
+    return reinterpret_cast<const int8_t*>(packed + p * stride + row * block);
+  }
+  float Scale(int64_t p, int64_t row) const {
+    float scale;  // the scales may sit at any byte offset
+    std::memcpy(&scale, packed + p * stride + m * block + row * sizeof(float), sizeof(scale));
+    return scale;
+  }
+};
+
+template <int64_t B>
+void Rows(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
+  const int64_t m = in.m;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  alignas(64) float v[B];
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t e = 0; e < B; ++e) v[e] = 0.0f;
+    for (int64_t p = 0; p < k; ++p) {
+      const int8_t* q = in.Codes(p, row);
+      const float s = in.Scale(p, row);
+      for (int64_t e = 0; e < B; ++e) {
+        const float decoded = q[e] == kNonFiniteCode ? nan : static_cast<float>(q[e]) * s;
+        v[e] = p == 0 ? decoded : v[e] + decoded;
+      }
+    }
+    if (hadamard) Fwht<B>(v);
+    uint16_t* o = out + row * B;
+    for (int64_t e = 0; e < B; ++e) o[e] = F32ToBf16(v[e]);
+  }
+}
+
+#if defined(__AVX512F__)
+// B = 64 (the default rotation block) with AVX-512: a row in four registers of 16 lanes. The
+// same arithmetic as Rows<64>, in the same order: strides 32 and 16 pair whole registers;
+// strides 8, 4, 2, 1 pair the lanes of one register (a permute brings each lane's partner; the
+// lower lane keeps the sum, the upper the difference).
+inline __m512 Decode16(const int8_t* q, __m512 scale, __m512 nan) {
+  const __m512i codes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __mmask16 bad = _mm512_cmpeq_epi32_mask(codes, _mm512_set1_epi32(kNonFiniteCode));
+  return _mm512_mask_blend_ps(bad, _mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale), nan);
+}
+
+inline __m512 InLaneStage(__m512 x, __m512i partner, __mmask16 upper) {
+  const __m512 p = _mm512_permutexvar_ps(partner, x);
+  return _mm512_mask_blend_ps(upper, _mm512_add_ps(x, p), _mm512_sub_ps(p, x));
+}
+
+inline __m256i ToBf16(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff));
+  const __mmask16 is_nan = _mm512_cmpgt_epu32_mask(magnitude, _mm512_set1_epi32(0x7f800000));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
+}
+
+void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
+  const int64_t m = in.m;
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  const __m512 halve = _mm512_set1_ps(0.5f);
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __m512i partner[4];
+  __mmask16 upper[4];
+  for (int stage = 0; stage < 4; ++stage) {
+    const int stride = 8 >> stage;
+    partner[stage] = _mm512_xor_si512(lane, _mm512_set1_epi32(stride));
+    upper[stage] = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(stride));
+  }
+  for (int64_t row = 0; row < m; ++row) {
+    __m512 v[4];
+    for (int64_t p = 0; p < k; ++p) {
+      const int8_t* q = in.Codes(p, row);
+      const __m512 scale = _mm512_set1_ps(in.Scale(p, row));
+      for (int r = 0; r < 4; ++r) {
+        const __m512 decoded = Decode16(q + 16 * r, scale, nan);
+        v[r] = p == 0 ? decoded : _mm512_add_ps(v[r], decoded);
+      }
+    }
+    if (hadamard) {
+      for (int half = 2; half >= 1; half /= 2) {  // strides 32 and 16: registers r, r + half
+        for (int start = 0; start < 4; start += 2 * half) {
+          for (int r = start; r < start + half; ++r) {
+            const __m512 a = v[r], b = v[r + half];
+            v[r] = _mm512_add_ps(a, b);
+            v[r + half] = _mm512_sub_ps(a, b);
+          }
+        }
+      }
+      for (int r = 0; r < 4; ++r) v[r] = _mm512_mul_ps(v[r], halve);  // after stage 2
+      for (int stage = 0; stage < 4; ++stage) {
+        for (int r = 0; r < 4; ++r) v[r] = InLaneStage(v[r], partner[stage], upper[stage]);
+        if (stage % 2 == 1) {  // after stages 4 and 6
+          for (int r = 0; r < 4; ++r) v[r] = _mm512_mul_ps(v[r], halve);
+        }
+      }
+    }
+    for (int r = 0; r < 4; ++r) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * 64 + 16 * r), ToBf16(v[r]));
+    }
+  }
+}
+#endif
+
+using RowsFn = void (*)(const Payloads&, uint16_t*, int64_t, bool);
+
+RowsFn RowsFor(int64_t block) {
+  switch (block) {
+    case 2: return Rows<2>;
+    case 4: return Rows<4>;
+    case 8: return Rows<8>;
+    case 16: return Rows<16>;
+    case 32: return Rows<32>;
+#if defined(__AVX512F__)
+    case 64: return Rows64Avx512;
+#else
+    case 64: return Rows<64>;
+#endif
+    case 128: return Rows<128>;
+    case 256: return Rows<256>;
+    default: return nullptr;
+  }
+}
+
+ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
+                            int64_t block, int64_t hadamard) {
+  auto dims = packed.dimensions();
+  RowsFn rows = block <= kMaxBlock ? RowsFor(block) : nullptr;
+  if (rows == nullptr) {
+    return ffi::Error::InvalidArgument("dequantize_rotate: block must be a power of two, 2 to 256");
+  }
+  const int64_t per_row = block + static_cast<int64_t>(sizeof(float));
+  if (dims.size() != 2 || dims[0] < 1 || dims[1] % per_row != 0) {
+    return ffi::Error::InvalidArgument(
+        "dequantize_rotate: want packed payloads [K, M * (block + 4)] bytes, K >= 1");
+  }
+  const Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block};
+  rows(in, reinterpret_cast<uint16_t*>(out->typed_data()), dims[0], hadamard != 0);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotate, DequantizeRotate,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("hadamard"));

@@ -1,0 +1,141 @@
+"""The native one-shot dequantize-rotate kernel (`equarx_serve/kernels/dequantize_rotate.py`)
+against its jnp reference, and in the all-reduce."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import lower_all_reduce, run_all_reduce
+
+from equarx_serve.collectives import get_all_reduce
+from equarx_serve.collectives.hadamard import block_hadamard
+from equarx_serve.kernels import dequantize_rotate, native
+
+pytestmark = pytest.mark.skipif(
+    not dequantize_rotate.KERNEL.available(), reason="no C++ compiler: the kernel cannot be built"
+)
+
+
+def _payloads(k: int, rows: int, block: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Codes over the whole int8 range (the non-finite code -128 included) and scales from
+    denormal to large, so every path of the arithmetic runs."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(-128, 128, (k, rows, block), dtype=np.int8)
+    exponents = rng.integers(-44, 36, (k, rows)).astype(np.float64)
+    scales = (rng.random((k, rows)) * 10.0**exponents).astype(np.float32)
+    return codes, scales
+
+
+def _bits(x: jax.Array) -> np.ndarray:
+    return np.asarray(x).view(np.uint16)
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize(
+    ("k", "rows", "block"),
+    [(2, 1000, 64), (1, 7, 64), (3, 33, 128), (4, 5, 256), (2, 100, 32), (2, 9, 8), (2, 3, 2)],
+)
+def test_the_kernel_gives_the_references_bits(k, rows, block, hadamard):
+    packed = dequantize_rotate.pack(*_payloads(k, rows, block))
+    apply = jax.jit(lambda p: dequantize_rotate.apply(p, block=block, hadamard=hadamard))
+    reference = jax.jit(lambda p: dequantize_rotate.reference(p, block=block, hadamard=hadamard))
+    assert "custom_call" in apply.lower(packed).as_text()
+    np.testing.assert_array_equal(_bits(apply(packed)), _bits(reference(packed)))
+
+
+def test_the_reference_is_the_dense_rotation_of_the_sum_within_one_rounding():
+    codes, scales = _payloads(2, 512, 64, seed=1)
+    scales = np.full_like(scales, 0.01)  # no NaN rows, no overflow: plain values
+    codes = np.where(codes == -128, -127, codes).astype(np.int8)
+    got = np.asarray(
+        dequantize_rotate.reference(dequantize_rotate.pack(codes, scales), block=64, hadamard=True)
+    ).astype(np.float64)
+    summed = (codes.astype(np.float32) * scales[..., None]).sum(0, dtype=np.float32)
+    dense = np.asarray(block_hadamard(jnp.asarray(summed), form="dense"), np.float64)
+    # bf16 keeps 8 bits: one rounding of the result is at most 2^-8 relative.
+    np.testing.assert_allclose(got, dense, rtol=2**-8, atol=1e-6)
+
+
+def test_a_non_finite_code_makes_its_rotated_row_nan_and_only_that_row():
+    codes, scales = np.ones((2, 3, 64), np.int8), np.ones((2, 3), np.float32)
+    codes[1, 1, 5] = -128
+    out = np.asarray(
+        dequantize_rotate.apply(dequantize_rotate.pack(codes, scales), block=64, hadamard=True),
+        np.float32,
+    )
+    assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
+
+
+def test_large_values_do_not_overflow_inside_the_transform():
+    """Halving between stages keeps every stage within twice the output's bound: a row of
+    2^123 in one payload (an output of 2^126 in its first element) stays finite."""
+    codes, scales = np.ones((1, 1, 64), np.int8), np.full((1, 1), 2.0**123, np.float32)
+    out = np.asarray(
+        dequantize_rotate.apply(dequantize_rotate.pack(codes, scales), block=64, hadamard=True),
+        np.float32,
+    )
+    assert out[0, 0] == 2.0**126 and (out[0, 1:] == 0).all()
+
+
+def test_pack_and_unpack_round_trip():
+    codes, scales = _payloads(3, 5, 16)
+    back_codes, back_scales = dequantize_rotate.unpack(dequantize_rotate.pack(codes, scales), 16)
+    np.testing.assert_array_equal(back_codes, codes)
+    np.testing.assert_array_equal(np.asarray(back_scales).view(np.uint32), scales.view(np.uint32))
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "block", "match"),
+    [
+        ((2, 68), jnp.uint8, 48, "power of two"),
+        ((2, 68), jnp.uint8, 512, "power of two"),
+        ((2, 70), jnp.uint8, 64, "whole rows"),
+        ((2, 68), jnp.int8, 64, "u8"),
+        ((68,), jnp.uint8, 64, "u8"),
+    ],
+)
+def test_bad_input_raises_a_clear_error(shape, dtype, block, match):
+    with pytest.raises(ValueError, match=match):
+        dequantize_rotate.apply(jnp.zeros(shape, dtype), block=block, hadamard=True)
+
+
+def test_switched_off_it_is_the_reference(monkeypatch):
+    packed = dequantize_rotate.pack(*_payloads(2, 4, 64))
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    program = jax.jit(lambda p: dequantize_rotate.apply(p, block=64, hadamard=True))
+    assert "custom_call" not in program.lower(packed).as_text()
+
+
+# --- in the all-reduce ------------------------------------------------------------------------
+
+
+def test_one_shot_equarx_uses_the_kernel_only_where_it_applies():
+    n, x = 2, np.random.default_rng(0).standard_normal((2, 64, 640)).astype(jnp.bfloat16)
+    target = dequantize_rotate.KERNEL.target
+    default = get_all_reduce("equarx-int8", min_size_bytes=0)
+    assert target in lower_all_reduce(default.with_rotated_input(), x, n)
+    assert target in lower_all_reduce(default, x, n)
+    for other in (
+        get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp"),
+        get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None),
+        get_all_reduce("equarx-int8", min_size_bytes=0, schedule="two-shot"),
+    ):
+        assert target not in lower_all_reduce(other, x, n), other
+    assert target not in lower_all_reduce(default, x.astype(np.float32), n)  # f32 out
+
+
+@pytest.mark.parametrize("rotated_input", [False, True])
+def test_with_the_kernel_the_all_reduce_matches_the_xla_ops_within_one_rounding(rotated_input):
+    n = 2
+    x = np.random.default_rng(1).standard_normal((n, 96, 640)).astype(jnp.bfloat16)
+    fast = get_all_reduce("equarx-int8", min_size_bytes=0)
+    slow = get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp")
+    if rotated_input:
+        fast, slow = fast.with_rotated_input(), slow.with_rotated_input()
+    got, want = run_all_reduce(fast, x, n), run_all_reduce(slow, x, n)
+    assert (got[0].view(np.uint16) == got[1].view(np.uint16)).all()  # replicas identical
+    got, want = got.astype(np.float64), want.astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
+    assert np.mean(got != want) < 0.01
