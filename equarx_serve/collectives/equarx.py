@@ -43,15 +43,16 @@ rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotat
 
 Quantize/dequantize-accumulate is one fused step (`kernels/block_quantize.py`): a Pallas kernel
 on TPU/GPU (`kernel="auto"` or `"pallas"`; interpreted on CPU) or the same math in `jnp`, which
-XLA fuses, on CPU (`kernel="auto"` or `"jnp"`). One-shot's last step with the rotation (decode
-the N payloads, sum them, rotate back, cast to bf16) is, on CPU with `kernel="auto"`, a native
-kernel doing all four in one pass (`kernels/dequantize_rotate.py`: a fast Walsh-Hadamard
-transform instead of XLA's dense [B, B] product; measured 6.3 vs 33.5 ms at 16 MiB), where it
-builds and the input is bf16 with f32 scales and rotation groups of one block (the N = 2
-default); the XLA ops otherwise. Its bits are those of the same arithmetic as jnp ops
-(`dequantize_rotate.reference`); they differ from the dense product's in the last bit of a few
-outputs (0.015%), so all hosts of a mesh should take the same path (a host without a C++
-compiler takes the XLA ops).
+XLA fuses, on CPU (`kernel="auto"` or `"jnp"`). On CPU with `kernel="auto"`, one-shot with
+the rotation (the N = 2 default: bf16 messages, f32 scales, rotation groups of one block) runs
+as two native kernels instead (`kernels/one_shot.py`, built on first use): one rotates (a fast
+Walsh-Hadamard transform, not XLA's dense [B, B] product), quantizes and writes the packed
+payload in one pass, the other decodes the all-gathered bytes as they arrive, sums them in rank
+order, rotates back and casts to bf16 in one pass. Measured, 16 MiB on 2 fake devices, the
+model's form: 77.6 -> 21.8 ms with the second kernel alone. Their bits are those of the same
+arithmetic as jnp ops (`one_shot.*_reference`), which differ from the dense product's in the
+last bit of a few values, so all hosts of a mesh should take the same path: a host without a
+C++ compiler takes XLA's ops, and its replica can differ from the others' in those bits.
 
 Cost in bytes each device puts on the wire, for L elements (padded to L') and scales of c bytes:
     2 (N-1)/N * L' * (1 + c/B)          ring, two-shot, and one-shot at N = 2
@@ -82,8 +83,8 @@ from equarx_serve.collectives.hadamard import (
     hadamard_scaled_codes,
 )
 from equarx_serve.collectives.registry import register_all_reduce
-from equarx_serve.collectives.ring import LaneFn, RingAllReduce, take_chunk
-from equarx_serve.kernels import block_quantize, dequantize_rotate
+from equarx_serve.collectives.ring import PackedOneShot, RingAllReduce, take_chunk
+from equarx_serve.kernels import block_quantize, one_shot
 
 # The gate falls back to psum, so it sits where the quantized path starts to beat psum.
 # `equarx-serve bench allreduce --processes 2` (gloo, 2 CPU cores), ungated equarx-int8 vs
@@ -119,7 +120,6 @@ class BlockInt8Codec:
     use_pallas: bool
     interpret: bool
     scale_dtype: str
-    block_size: int
 
     def _to_wire(self, payload: tuple) -> tuple:
         q, scale = payload
@@ -174,13 +174,6 @@ class BlockInt8Codec:
         marked = jnp.min(q, axis=-1, keepdims=True) == block_quantize.NONFINITE_CODE
         scale = jnp.where(marked, jnp.nan, scale.astype(jnp.float32))
         return hadamard_scaled_codes(q, scale, rotation_block // q.shape[-1])
-
-    def sum_rotated_bf16(self, packed: jax.Array) -> jax.Array:
-        """N payloads with f32 scales, all-gathered as packed bytes [N, bytes] (rows of B) ->
-        the sum of their decoded values, each row times the orthonormal Hadamard transform, in
-        bf16 [rows, B]: the native `dequantize_rotate` kernel (decode, sum in rank order,
-        rotate, cast in one pass over the received bytes)."""
-        return dequantize_rotate.apply(packed, block=self.block_size, hadamard=True)
 
 
 @register_all_reduce
@@ -303,12 +296,7 @@ class EquarxInt8(RingAllReduce):
     def codec(self, dtype: jnp.dtype) -> BlockInt8Codec:
         backend = jax.default_backend()
         use_pallas = self.kernel == "pallas" or (self.kernel == "auto" and backend != "cpu")
-        return BlockInt8Codec(
-            use_pallas,
-            interpret=backend == "cpu",
-            scale_dtype=self.scale_dtype,
-            block_size=self.block_size,
-        )
+        return BlockInt8Codec(use_pallas, interpret=backend == "cpu", scale_dtype=self.scale_dtype)
 
     def payload_bytes(self, num_elements: int, dtype: jnp.dtype) -> int:
         scale_bytes = jnp.dtype(self.scale_dtype).itemsize
@@ -386,9 +374,7 @@ class EquarxInt8(RingAllReduce):
         # Each lane is rotated (to f32) before it is quantized, and rotated back once its sum is
         # decoded: lanes are contiguous runs of whole rotation groups of the flat message
         # (`pad_rows`), so this is the message's rotation, pipelined with the transfers.
-        return concrete._reduce_rotated_back(
-            x, axis_name, axis_size, prepare=lambda lane: _rotate_lane(rotation, lane, jnp.float32)
-        )
+        return concrete._reduce_rotated_back(x, axis_name, axis_size, rotate_input=True)
 
     def reduce_rotated_input(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
         """The sum of inputs already rotated along their last axis by `input_rotation`, rotated
@@ -397,15 +383,33 @@ class EquarxInt8(RingAllReduce):
         rotation = self.input_rotation
         if self.is_gated(x.size, x.dtype):
             return rotation.apply(lax.psum(x.astype(jnp.float32), axis_name), out_dtype=x.dtype)
-        return self.for_axis_size(axis_size)._reduce_rotated_back(x, axis_name, axis_size)
+        return self.for_axis_size(axis_size)._reduce_rotated_back(
+            x, axis_name, axis_size, rotate_input=False
+        )
 
     def _reduce_rotated_back(
-        self, x: jax.Array, axis_name: str, axis_size: int, *, prepare: LaneFn | None = None
+        self, x: jax.Array, axis_name: str, axis_size: int, *, rotate_input: bool
     ) -> jax.Array:
-        """`ring_reduce` with the inverse rotation applied to the sum: on the int8 codes as they
-        are decoded, or on the decoded f32 values (`inverse_on_codes`)."""
+        """`ring_reduce` with the inverse rotation applied to the sum (and with `rotate_input`
+        the forward rotation applied to x first): one-shot's native kernels where they apply
+        (`_runs_natively`), else on the int8 codes as they are decoded or on the decoded f32
+        values (`inverse_on_codes`)."""
+        rotation = self.input_rotation
+        if self._runs_natively(x.dtype, axis_size):
+            kernels = PackedOneShot(
+                encode=lambda lane: one_shot.rotate_quantize(
+                    lane.reshape(-1, self.block_size), hadamard=rotate_input
+                ),
+                combine=lambda gathered: one_shot.dequantize_rotate(
+                    gathered, block=self.block_size, hadamard=True
+                ),
+            )
+            return self.ring_reduce(x, axis_name, axis_size, x.dtype, packed=kernels)
+        prepare = None
+        if rotate_input:
+            prepare = lambda lane: _rotate_lane(rotation, lane, jnp.float32)
         if self.inverse_on_codes(axis_size):
-            codec, group = self.codec(x.dtype), self.input_rotation.block
+            codec, group = self.codec(x.dtype), rotation.block
             return self.ring_reduce(
                 x,
                 axis_name,
@@ -414,12 +418,6 @@ class EquarxInt8(RingAllReduce):
                 prepare=prepare,
                 decode=lambda payload: codec.decode_rotated(payload, group),
             )
-        if self._combines_natively(x.dtype, axis_size):
-            codec = self.codec(x.dtype)
-            return self.ring_reduce(
-                x, axis_name, axis_size, x.dtype, prepare=prepare, combine=codec.sum_rotated_bf16
-            )
-        rotation = self.input_rotation
         return self.ring_reduce(
             x,
             axis_name,
@@ -429,17 +427,19 @@ class EquarxInt8(RingAllReduce):
             finish=lambda lane: _rotate_lane(rotation, lane, x.dtype),
         )
 
-    def _combines_natively(self, dtype: jnp.dtype, axis_size: int) -> bool:
-        """Whether one-shot's decode, sum, inverse rotation and cast run as the native
-        `dequantize_rotate` kernel: `kernel="auto"` on CPU where it builds, bf16 in and out, f32
-        scales, rotation groups of one block (see the module doc)."""
+    def _runs_natively(self, dtype: jnp.dtype, axis_size: int) -> bool:
+        """Whether one-shot runs as the native kernels of `kernels/one_shot.py` (rotate and
+        quantize into the packed payload; decode, sum, rotate back and cast straight from the
+        all-gathered bytes): `kernel="auto"` on CPU where they build, bf16 in and out, f32
+        scales, rotation groups of one block, the inverse on the values (see the module doc)."""
         return (
             self.kernel == "auto"
             and self.schedule_for(axis_size) == "one-shot"
+            and not self.inverse_on_codes(axis_size)
             and jnp.dtype(dtype) == jnp.bfloat16
             and self.scale_dtype == "float32"
             and self.input_rotation.block == self.block_size
-            and dequantize_rotate.pays(self.block_size)
+            and one_shot.pays(self.block_size)
         )
 
 

@@ -133,6 +133,18 @@ LaneFn = Callable[[jax.Array], jax.Array]
 PayloadFn = Callable[[Payload], jax.Array]
 
 
+@dataclasses.dataclass(frozen=True)
+class PackedOneShot:
+    """A one-shot lane as two fused kernels on the bytes that travel: `encode` maps a lane
+    [N, R, B] to its payload as `pack_payload` lays it out (what `prepare`, the codec and the
+    packing would give), `combine` maps the all-gathered bytes [N (source rank), bytes] to the
+    lane's N * R * B outputs in out_dtype (what decoding, the sum in rank order and `finish`
+    would give)."""
+
+    encode: LaneFn
+    combine: LaneFn
+
+
 def pipelined_all_reduce(
     lanes: jax.Array,
     axis_name: str,
@@ -143,7 +155,7 @@ def pipelined_all_reduce(
     prepare: LaneFn | None = None,
     decode: PayloadFn | None = None,
     finish: LaneFn | None = None,
-    combine: PayloadFn | None = None,
+    packed: PackedOneShot | None = None,
 ) -> jax.Array:
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
 
@@ -153,10 +165,7 @@ def pipelined_all_reduce(
     returns for each source's payload: e.g. the inverse rotation applied to int8 codes); and
     `finish` maps each reduced lane of those values to the output in `out_dtype` (e.g. the
     inverse rotation). All per lane, so lane k's transforms can overlap lane k+1's transfer.
-    One-shot only: `combine` maps the N all-gathered payloads, as the bytes they travel in
-    ([N (source rank), bytes]: each one's `pack_payload`), straight to the lane's N * R * B
-    outputs in out_dtype, in place of `decode`, the sum in rank order and `finish` (a fused
-    kernel doing all three on the received bytes as they are).
+    One-shot only: `packed` replaces those steps by two fused kernels on the wire bytes.
     """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
@@ -174,10 +183,10 @@ def pipelined_all_reduce(
             prepare=prepare,
             decode=decode,
             finish=finish,
-            combine=combine,
+            packed=packed,
         )
-    if combine is not None:
-        raise ValueError(f"combine is for the one-shot schedule, not {schedule!r}")
+    if packed is not None:
+        raise ValueError(f"packed kernels are for the one-shot schedule, not {schedule!r}")
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
@@ -276,7 +285,7 @@ def _one_shot_all_reduce(
     prepare: LaneFn,
     decode: PayloadFn,
     finish: LaneFn,
-    combine: PayloadFn | None,
+    packed: PackedOneShot | None,
 ) -> jax.Array:
     """Every device encodes its whole lane once and all-gathers it (one collective per lane);
     every device decodes all N payloads, its own too, and sums them in f32 in rank order, so
@@ -286,15 +295,15 @@ def _one_shot_all_reduce(
     with jax.named_scope("one_shot_all_gather"):
         for d in range(num_dirs):
             for s in range(num_slices):
+                if packed is not None:  # the fused kernels, on the bytes as they travel
+                    gathered = lax.all_gather(packed.encode(lanes[d, s]), axis_name)
+                    decoded.append(packed.combine(gathered).reshape(lanes.shape[2:]))
+                    continue
                 values = prepare(lanes[d, s])
                 own = jax.tree.map(
                     lambda *chunks: jnp.stack(chunks),
                     *[codec.encode_chunk(values, jnp.int32(i)) for i in range(n)],
                 )  # leaves [N, R, ...]
-                if combine is not None:
-                    packed = lax.all_gather(pack_payload(own), axis_name)  # [N, bytes]
-                    decoded.append(combine(packed).reshape(lanes.shape[2:]))
-                    continue
                 by_rank = all_gather_payload(own, axis_name)  # [N (source rank), N, R, ...]
                 values = decode(by_rank)  # [N, N, R, B] f32
                 # Added one by one in rank order: one elementwise pass. (`jnp.sum` over the
@@ -371,10 +380,10 @@ class RingAllReduce(AllReduce):
         prepare: LaneFn | None = None,
         decode: PayloadFn | None = None,
         finish: LaneFn | None = None,
-        combine: PayloadFn | None = None,
+        packed: PackedOneShot | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
-        `out_dtype`; `prepare`, `decode`, `finish` and `combine` are `pipelined_all_reduce`'s
+        `out_dtype`; `prepare`, `decode`, `finish` and `packed` are `pipelined_all_reduce`'s
         hooks."""
         layout = self.layout(x.size, axis_size)
         schedule = self.schedule_for(axis_size)
@@ -388,7 +397,7 @@ class RingAllReduce(AllReduce):
                 prepare=prepare,
                 decode=decode,
                 finish=finish,
-                combine=combine,
+                packed=packed,
             )
         return layout.from_lanes(reduced, x.shape)
 

@@ -1,5 +1,5 @@
-"""The native one-shot dequantize-rotate kernel (`equarx_serve/kernels/dequantize_rotate.py`)
-against its jnp reference, and in the all-reduce."""
+"""One-shot EQuARX's native kernels (`equarx_serve/kernels/one_shot.py`) against their jnp
+references, and in the all-reduce."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from conftest import lower_all_reduce, run_all_reduce
 
 from equarx_serve.collectives import get_all_reduce
 from equarx_serve.collectives.hadamard import block_hadamard
-from equarx_serve.kernels import dequantize_rotate, native
+from equarx_serve.kernels import native, one_shot
 
 pytestmark = pytest.mark.skipif(
-    not dequantize_rotate.KERNEL.available(), reason="no C++ compiler: the kernel cannot be built"
+    not one_shot.DEQUANTIZE.available(), reason="no C++ compiler: the kernel cannot be built"
 )
 
 
@@ -37,20 +37,22 @@ def _bits(x: jax.Array) -> np.ndarray:
     ("k", "rows", "block"),
     [(2, 1000, 64), (1, 7, 64), (3, 33, 128), (4, 5, 256), (2, 100, 32), (2, 9, 8), (2, 3, 2)],
 )
-def test_the_kernel_gives_the_references_bits(k, rows, block, hadamard):
-    packed = dequantize_rotate.pack(*_payloads(k, rows, block))
-    apply = jax.jit(lambda p: dequantize_rotate.apply(p, block=block, hadamard=hadamard))
-    reference = jax.jit(lambda p: dequantize_rotate.reference(p, block=block, hadamard=hadamard))
+def test_the_decode_kernel_gives_the_references_bits(k, rows, block, hadamard):
+    packed = one_shot.pack(*_payloads(k, rows, block))
+    apply = jax.jit(lambda p: one_shot.dequantize_rotate(p, block=block, hadamard=hadamard))
+    reference = jax.jit(
+        lambda p: one_shot.dequantize_rotate_reference(p, block=block, hadamard=hadamard)
+    )
     assert "custom_call" in apply.lower(packed).as_text()
     np.testing.assert_array_equal(_bits(apply(packed)), _bits(reference(packed)))
 
 
-def test_the_reference_is_the_dense_rotation_of_the_sum_within_one_rounding():
+def test_the_decode_reference_is_the_dense_rotation_of_the_sum_within_one_rounding():
     codes, scales = _payloads(2, 512, 64, seed=1)
     scales = np.full_like(scales, 0.01)  # no NaN rows, no overflow: plain values
     codes = np.where(codes == -128, -127, codes).astype(np.int8)
     got = np.asarray(
-        dequantize_rotate.reference(dequantize_rotate.pack(codes, scales), block=64, hadamard=True)
+        one_shot.dequantize_rotate_reference(one_shot.pack(codes, scales), block=64, hadamard=True)
     ).astype(np.float64)
     summed = (codes.astype(np.float32) * scales[..., None]).sum(0, dtype=np.float32)
     dense = np.asarray(block_hadamard(jnp.asarray(summed), form="dense"), np.float64)
@@ -62,7 +64,7 @@ def test_a_non_finite_code_makes_its_rotated_row_nan_and_only_that_row():
     codes, scales = np.ones((2, 3, 64), np.int8), np.ones((2, 3), np.float32)
     codes[1, 1, 5] = -128
     out = np.asarray(
-        dequantize_rotate.apply(dequantize_rotate.pack(codes, scales), block=64, hadamard=True),
+        one_shot.dequantize_rotate(one_shot.pack(codes, scales), block=64, hadamard=True),
         np.float32,
     )
     assert np.isnan(out[1]).all() and np.isfinite(out[[0, 2]]).all()
@@ -73,15 +75,39 @@ def test_large_values_do_not_overflow_inside_the_transform():
     2^123 in one payload (an output of 2^126 in its first element) stays finite."""
     codes, scales = np.ones((1, 1, 64), np.int8), np.full((1, 1), 2.0**123, np.float32)
     out = np.asarray(
-        dequantize_rotate.apply(dequantize_rotate.pack(codes, scales), block=64, hadamard=True),
+        one_shot.dequantize_rotate(one_shot.pack(codes, scales), block=64, hadamard=True),
         np.float32,
     )
     assert out[0, 0] == 2.0**126 and (out[0, 1:] == 0).all()
 
 
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize(("rows", "block"), [(1000, 64), (7, 2), (33, 128), (5, 256), (9, 8)])
+def test_the_quantize_kernel_gives_the_references_bits(rows, block, hadamard):
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, block)) * 10.0 ** rng.integers(-30, 30, (rows, 1))
+    x[0, 1], x[-1, 0], x[rows // 2] = np.nan, np.inf, 0.0  # non-finite values, a zero row
+    x = jnp.asarray(x, jnp.bfloat16)
+    quantize = jax.jit(lambda v: one_shot.rotate_quantize(v, hadamard=hadamard))
+    reference = jax.jit(lambda v: one_shot.rotate_quantize_reference(v, hadamard=hadamard))
+    assert "custom_call" in quantize.lower(x).as_text()
+    np.testing.assert_array_equal(np.asarray(quantize(x)), np.asarray(reference(x)))
+
+
+def test_quantize_then_decode_is_within_the_quantization_error():
+    """One payload through both kernels: the rotation undone, each value within half a
+    quantization step (of its rotated row's scale, spread back by the orthonormal rotation)."""
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((256, 64)), jnp.bfloat16)
+    packed = one_shot.rotate_quantize(x, hadamard=True)
+    back = np.asarray(one_shot.dequantize_rotate(packed[None], block=64, hadamard=True), np.float64)
+    scales = np.asarray(one_shot.unpack(packed[None], 64)[1][0], np.float64)
+    error = np.sqrt(np.mean((back - np.asarray(x, np.float64)) ** 2, axis=1))
+    assert (error <= scales * 0.5 + np.abs(np.asarray(x, np.float64)).max(1) * 2**-8).all()
+
+
 def test_pack_and_unpack_round_trip():
     codes, scales = _payloads(3, 5, 16)
-    back_codes, back_scales = dequantize_rotate.unpack(dequantize_rotate.pack(codes, scales), 16)
+    back_codes, back_scales = one_shot.unpack(one_shot.pack(codes, scales), 16)
     np.testing.assert_array_equal(back_codes, codes)
     np.testing.assert_array_equal(np.asarray(back_scales).view(np.uint32), scales.view(np.uint32))
 
@@ -98,29 +124,34 @@ def test_pack_and_unpack_round_trip():
 )
 def test_bad_input_raises_a_clear_error(shape, dtype, block, match):
     with pytest.raises(ValueError, match=match):
-        dequantize_rotate.apply(jnp.zeros(shape, dtype), block=block, hadamard=True)
+        one_shot.dequantize_rotate(jnp.zeros(shape, dtype), block=block, hadamard=True)
 
 
-def test_switched_off_it_is_the_reference(monkeypatch):
-    packed = dequantize_rotate.pack(*_payloads(2, 4, 64))
+def test_switched_off_they_are_the_references(monkeypatch):
+    packed = one_shot.pack(*_payloads(2, 4, 64))
+    x = jnp.zeros((4, 64), jnp.bfloat16)
     monkeypatch.setenv(native.DISABLE_ENV, "0")
-    program = jax.jit(lambda p: dequantize_rotate.apply(p, block=64, hadamard=True))
-    assert "custom_call" not in program.lower(packed).as_text()
+    decode = jax.jit(lambda p: one_shot.dequantize_rotate(p, block=64, hadamard=True))
+    quantize = jax.jit(lambda v: one_shot.rotate_quantize(v, hadamard=True))
+    assert "custom_call" not in decode.lower(packed).as_text()
+    assert "custom_call" not in quantize.lower(x).as_text()
 
 
 # --- in the all-reduce ------------------------------------------------------------------------
 
 
-def test_one_shot_equarx_uses_the_kernel_only_where_it_applies():
+def test_one_shot_equarx_uses_the_kernels_only_where_they_apply():
     n, x = 2, np.random.default_rng(0).standard_normal((2, 64, 640)).astype(jnp.bfloat16)
-    target = dequantize_rotate.KERNEL.target
+    targets = (one_shot.QUANTIZE.target, one_shot.DEQUANTIZE.target)
     default = get_all_reduce("equarx-int8", min_size_bytes=0)
-    assert target in lower_all_reduce(default.with_rotated_input(), x, n)
-    assert target in lower_all_reduce(default, x, n)
+    for form in (default, default.with_rotated_input()):
+        assert all(target in lower_all_reduce(form, x, n) for target in targets)
+    target = one_shot.DEQUANTIZE.target
     for other in (
         get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp"),
         get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None),
         get_all_reduce("equarx-int8", min_size_bytes=0, schedule="two-shot"),
+        get_all_reduce("equarx-int8", min_size_bytes=0, block_size=64, inverse="codes"),
     ):
         assert target not in lower_all_reduce(other, x, n), other
     assert target not in lower_all_reduce(default, x.astype(np.float32), n)  # f32 out

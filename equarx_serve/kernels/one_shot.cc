@@ -1,5 +1,18 @@
-// Dequantize K int8 payloads, sum them, rotate back: the XLA:CPU custom call behind
-// dequantize_rotate.py (one-shot EQuARX's last step).
+// One-shot EQuARX's two native steps on CPU, the XLA:CPU custom calls behind one_shot.py.
+//
+// RotateQuantize (first step): rotate each row of B values, quantize it, pack the payload.
+//
+//   r[m, :]     = H_B x[m, :] / sqrt(B)         (hadamard = 1; else x[m, :]), f32, x bf16 [M, B]
+//   scale[m]    = max(absmax over the finite r[m, e] * (1/127), FLT_MIN)
+//   codes[m, e] = clamp(round_half_even(r[m, e] * (1 / scale[m])), -127, 127); -128 if r is
+//                 not finite
+//   out         = codes int8 [M, B] then scale f32 [M], as bytes u8 [M * (B + 4)]
+//
+// the same arithmetic as block_quantize's jnp quantizer on the rotated values, so the codes are
+// its codes for the same r (r itself is the FWHT's, see below, not XLA's dense product's).
+// Cost: 2 M B bytes read, M (B + 4) written; log2(B) adds, a multiply and a round an element.
+//
+// DequantizeRotate (last step): dequantize K int8 payloads, sum them, rotate back.
 //
 //   v[m, :]   = sum_k codes[k, m, :] * scales[k, m]        in f32, k = 0, 1, ..., K-1 in order
 //   out[m, :] = bf16(H_B v[m, :] / sqrt(B))                 (hadamard = 1; else bf16(v[m, :]))
@@ -35,6 +48,15 @@ namespace {
 
 constexpr int8_t kNonFiniteCode = -128;
 constexpr int64_t kMaxBlock = 256;
+
+constexpr float kInt8Max = 127.0f;
+
+inline float Bf16ToF32(uint16_t bits) {
+  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &widened, sizeof(value));
+  return value;
+}
 
 inline uint16_t F32ToBf16(float value) {
   uint32_t bits;
@@ -132,18 +154,45 @@ inline __m256i ToBf16(__m512 x) {
   return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(is_nan, rounded, quiet));
 }
 
+// H_64 v / 8 of a row in four registers, as Fwht<64>.
+inline void Fwht64(__m512 v[4], const __m512i partner[4], const __mmask16 upper[4], __m512 halve) {
+  for (int half = 2; half >= 1; half /= 2) {  // strides 32 and 16: registers r, r + half
+    for (int start = 0; start < 4; start += 2 * half) {
+      for (int r = start; r < start + half; ++r) {
+        const __m512 a = v[r], b = v[r + half];
+        v[r] = _mm512_add_ps(a, b);
+        v[r + half] = _mm512_sub_ps(a, b);
+      }
+    }
+  }
+  for (int r = 0; r < 4; ++r) v[r] = _mm512_mul_ps(v[r], halve);  // after stage 2
+  for (int stage = 0; stage < 4; ++stage) {
+    for (int r = 0; r < 4; ++r) v[r] = InLaneStage(v[r], partner[stage], upper[stage]);
+    if (stage % 2 == 1) {  // after stages 4 and 6
+      for (int r = 0; r < 4; ++r) v[r] = _mm512_mul_ps(v[r], halve);
+    }
+  }
+}
+
+// The lane permutations of Fwht64's in-register stages (strides 8, 4, 2, 1).
+struct InLane {
+  __m512i partner[4];
+  __mmask16 upper[4];
+  InLane() {
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int stage = 0; stage < 4; ++stage) {
+      const int stride = 8 >> stage;
+      partner[stage] = _mm512_xor_si512(lane, _mm512_set1_epi32(stride));
+      upper[stage] = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(stride));
+    }
+  }
+};
+
 void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
   const int64_t m = in.m;
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   const __m512 halve = _mm512_set1_ps(0.5f);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  __m512i partner[4];
-  __mmask16 upper[4];
-  for (int stage = 0; stage < 4; ++stage) {
-    const int stride = 8 >> stage;
-    partner[stage] = _mm512_xor_si512(lane, _mm512_set1_epi32(stride));
-    upper[stage] = _mm512_test_epi32_mask(lane, _mm512_set1_epi32(stride));
-  }
+  const InLane lanes;
   for (int64_t row = 0; row < m; ++row) {
     __m512 v[4];
     for (int64_t p = 0; p < k; ++p) {
@@ -155,22 +204,7 @@ void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
       }
     }
     if (hadamard) {
-      for (int half = 2; half >= 1; half /= 2) {  // strides 32 and 16: registers r, r + half
-        for (int start = 0; start < 4; start += 2 * half) {
-          for (int r = start; r < start + half; ++r) {
-            const __m512 a = v[r], b = v[r + half];
-            v[r] = _mm512_add_ps(a, b);
-            v[r + half] = _mm512_sub_ps(a, b);
-          }
-        }
-      }
-      for (int r = 0; r < 4; ++r) v[r] = _mm512_mul_ps(v[r], halve);  // after stage 2
-      for (int stage = 0; stage < 4; ++stage) {
-        for (int r = 0; r < 4; ++r) v[r] = InLaneStage(v[r], partner[stage], upper[stage]);
-        if (stage % 2 == 1) {  // after stages 4 and 6
-          for (int r = 0; r < 4; ++r) v[r] = _mm512_mul_ps(v[r], halve);
-        }
-      }
+      Fwht64(v, lanes.partner, lanes.upper, halve);
     }
     for (int r = 0; r < 4; ++r) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * 64 + 16 * r), ToBf16(v[r]));
@@ -178,6 +212,94 @@ void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
   }
 }
 #endif
+
+// One row of B rotated values -> its codes and scale (block_quantize's arithmetic).
+template <int64_t B>
+inline void QuantizeRow(const float* r, int8_t* codes, uint8_t* scale_bytes) {
+  float absmax = 0.0f;
+  for (int64_t e = 0; e < B; ++e) {
+    if (std::isfinite(r[e])) absmax = std::fmax(absmax, std::fabs(r[e]));
+  }
+  const float scale = std::fmax(absmax * (1.0f / kInt8Max), std::numeric_limits<float>::min());
+  const float inverse = 1.0f / scale;
+  for (int64_t e = 0; e < B; ++e) {
+    if (!std::isfinite(r[e])) {
+      codes[e] = kNonFiniteCode;
+      continue;
+    }
+    const float q = std::nearbyint(r[e] * inverse);  // the default mode: nearest, ties to even
+    codes[e] = static_cast<int8_t>(std::fmin(std::fmax(q, -kInt8Max), kInt8Max));
+  }
+  std::memcpy(scale_bytes, &scale, sizeof(scale));
+}
+
+template <int64_t B>
+void QuantizeRows(const uint16_t* x, uint8_t* out, int64_t m, bool hadamard) {
+  alignas(64) float r[B];
+  for (int64_t row = 0; row < m; ++row) {
+    for (int64_t e = 0; e < B; ++e) r[e] = Bf16ToF32(x[row * B + e]);
+    if (hadamard) Fwht<B>(r);
+    QuantizeRow<B>(r, reinterpret_cast<int8_t*>(out + row * B), out + m * B + row * 4);
+  }
+}
+
+#if defined(__AVX512F__)
+// QuantizeRows<64> with AVX-512, the same arithmetic: a row in four registers.
+void QuantizeRows64Avx512(const uint16_t* x, uint8_t* out, int64_t m, bool hadamard) {
+  const InLane lanes;
+  const __m512 halve = _mm512_set1_ps(0.5f);
+  const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
+  for (int64_t row = 0; row < m; ++row) {
+    __m512 v[4];
+    for (int r = 0; r < 4; ++r) {  // a bf16 is the high half of an f32
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + row * 64 + 16 * r));
+      v[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+    if (hadamard) Fwht64(v, lanes.partner, lanes.upper, halve);
+    __mmask16 finite[4];
+    __m512 absmax = _mm512_setzero_ps();
+    for (int r = 0; r < 4; ++r) {
+      const __m512 magnitude = _mm512_castsi512_ps(
+          _mm512_and_si512(_mm512_castps_si512(v[r]), _mm512_set1_epi32(0x7fffffff)));
+      finite[r] = _mm512_cmp_ps_mask(magnitude, largest, _CMP_LE_OQ);
+      absmax = _mm512_mask_max_ps(absmax, finite[r], absmax, magnitude);
+    }
+    const float scale = std::fmax(_mm512_reduce_max_ps(absmax) * (1.0f / kInt8Max),
+                                  std::numeric_limits<float>::min());
+    const __m512 inverse = _mm512_set1_ps(1.0f / scale);
+    int8_t* codes = reinterpret_cast<int8_t*>(out + row * 64);
+    for (int r = 0; r < 4; ++r) {
+      __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[r], inverse),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-kInt8Max)), _mm512_set1_ps(kInt8Max));
+      const __m512i ints = _mm512_mask_blend_epi32(
+          finite[r], _mm512_set1_epi32(kNonFiniteCode), _mm512_cvtps_epi32(q));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * r), _mm512_cvtepi32_epi8(ints));
+    }
+    std::memcpy(out + m * 64 + row * 4, &scale, sizeof(scale));
+  }
+}
+#endif
+
+using QuantizeFn = void (*)(const uint16_t*, uint8_t*, int64_t, bool);
+
+QuantizeFn QuantizeFor(int64_t block) {
+  switch (block) {
+    case 2: return QuantizeRows<2>;
+    case 4: return QuantizeRows<4>;
+    case 8: return QuantizeRows<8>;
+    case 16: return QuantizeRows<16>;
+    case 32: return QuantizeRows<32>;
+#if defined(__AVX512F__)
+    case 64: return QuantizeRows64Avx512;
+#else
+    case 64: return QuantizeRows<64>;
+#endif
+    case 128: return QuantizeRows<128>;
+    case 256: return QuantizeRows<256>;
+    default: return nullptr;
+  }
+}
 
 using RowsFn = void (*)(const Payloads&, uint16_t*, int64_t, bool);
 
@@ -216,7 +338,26 @@ ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
   return ffi::Error::Success();
 }
 
+ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> out,
+                          int64_t hadamard) {
+  auto dims = x.dimensions();
+  QuantizeFn rows = dims.size() == 2 && dims[1] <= kMaxBlock ? QuantizeFor(dims[1]) : nullptr;
+  if (rows == nullptr) {
+    return ffi::Error::InvalidArgument(
+        "rotate_quantize: want x [M, B] with B a power of two, 2 to 256");
+  }
+  rows(reinterpret_cast<const uint16_t*>(x.typed_data()), out->typed_data(), dims[0],
+       hadamard != 0);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxRotateQuantize, RotateQuantize,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("hadamard"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotate, DequantizeRotate,
                               ffi::Ffi::Bind()
