@@ -39,6 +39,7 @@ from equarx_serve.collectives import (
 )
 from equarx_serve.collectives.base import ring_all_reduce_bytes
 from equarx_serve.collectives.hadamard import block_hadamard, hadamard_scaled_codes
+from equarx_serve.collectives.ring import MAX_SLICES
 
 BUILTINS = ["psum", "psum-f32", "ring", "naive-int8", "equarx-int8"]
 FLOAT_DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
@@ -135,8 +136,8 @@ def test_unknown_option_lists_the_valid_ones():
     with pytest.raises(ValueError, match="blocksize") as e:
         get_all_reduce("equarx-int8", blocksize=128)
     valid = ["block_size", "scale_dtype", "rotation", "rotation_block", "fold_rotation",
-             "inverse", "schedule", "bidirectional", "num_slices", "min_size_bytes",
-             "kernel"]  # fmt: skip
+             "inverse", "schedule", "bidirectional", "num_slices", "slice_bytes",
+             "min_size_bytes", "kernel"]  # fmt: skip
     assert all(option in str(e.value) for option in valid)
     with pytest.raises(ValueError, match="block_size"):
         get_all_reduce("psum", block_size=128)
@@ -160,6 +161,9 @@ def test_unknown_option_lists_the_valid_ones():
         dict(inverse="codes", rotation_block=256),
         dict(bidirectional=1),
         dict(num_slices=0),
+        dict(slice_bytes=-1),
+        dict(slice_bytes=0.5),
+        dict(slice_bytes=True),
         dict(min_size_bytes=-1),
         dict(kernel="cuda"),
     ],
@@ -171,7 +175,8 @@ def test_bad_option_values_raise(options: dict):
 
 
 @pytest.mark.parametrize(
-    "options", [dict(schedule="tree"), dict(num_slices=0), dict(bidirectional="yes")]
+    "options",
+    [dict(schedule="tree"), dict(num_slices=0), dict(bidirectional="yes"), dict(slice_bytes=-1)],
 )
 def test_bad_ring_option_values_raise(options: dict):
     with pytest.raises(ValueError):
@@ -695,6 +700,38 @@ def test_the_gate_passes_messages_of_exactly_min_size_bytes():
     assert ALL_REDUCE.search(lower_all_reduce(above_limit, x, n))
 
 
+# --- slices by size ---------------------------------------------------------------------------
+
+ALL_GATHER = re.compile(r"\ball-gather(-start)?\(")
+
+
+@pytest.mark.parametrize("name", ["equarx-int8", "ring"])
+def test_slice_bytes_cuts_a_message_into_lanes_and_keeps_its_bits(name: str):
+    """One-shot (N = 2): quantization blocks and rotation groups are rows of the flat message
+    whatever the lanes, so the sliced all-reduce gives the unsliced one's bits."""
+    n = 2
+    x = llm_activations(n, 96, 1024, seed=5).astype(jnp.bfloat16)
+    make = equarx if name == "equarx-int8" else functools.partial(get_all_reduce, name)
+    whole, sliced = make(), make(slice_bytes=20_000)
+    sent = whole.wire_bytes(x[0].size, jnp.bfloat16, n)
+    concrete = sliced.for_axis_size(n) if name == "equarx-int8" else sliced
+    slices = concrete.slices_for(x[0].size, jnp.bfloat16, n)
+    assert slices == -(-sent // 20_000) > 1
+    assert sliced.wire_bytes(x[0].size, jnp.bfloat16, n) >= sent  # the same, or a little padding
+    assert len(ALL_GATHER.findall(lower_all_reduce(sliced, x, n))) == slices
+    np.testing.assert_array_equal(
+        run_all_reduce(sliced, x, n).view(np.uint16), run_all_reduce(whole, x, n).view(np.uint16)
+    )
+
+
+def test_slices_for_keeps_num_slices_as_a_floor_and_caps_the_count():
+    ar = equarx(num_slices=3, slice_bytes=1 << 30).for_axis_size(2)
+    assert ar.slices_for(1 << 20, jnp.bfloat16, 2) == 3
+    ar = equarx(slice_bytes=1).for_axis_size(2)
+    assert ar.slices_for(1 << 24, jnp.bfloat16, 2) == MAX_SLICES
+    assert ar.slices_for(1 << 24, jnp.bfloat16, 1) == 1  # nothing to send
+
+
 # --- bytes on the wire ------------------------------------------------------------------------
 
 
@@ -725,6 +762,8 @@ def test_int8_sends_about_half_the_bytes_of_a_16_bit_ring(n: int):
         (equarx(schedule="one-shot", bidirectional=True), 2, 4096, jnp.float32),
         (get_all_reduce("equarx-int8"), 4, 4096, jnp.bfloat16),  # gated: a psum
         (get_all_reduce("ring"), 2, 3500, jnp.bfloat16),
+        (get_all_reduce("ring", slice_bytes=1000), 2, 3500, jnp.bfloat16),
+        (equarx(slice_bytes=1000), 4, 5000, jnp.bfloat16),
         (get_all_reduce("ring", schedule="ring"), 8, 7000, jnp.float32),
         (get_all_reduce("naive-int8"), 8, 4096, jnp.float32),
         (get_all_reduce("psum"), 4, 4096, jnp.bfloat16),

@@ -62,6 +62,7 @@ class Ring(RingAllReduce):
     schedule: Literal["auto", "ring", "two-shot", "one-shot"] = "auto"  # as equarx-int8's
     bidirectional: bool = False
     num_slices: int = 1
+    slice_bytes: int = 0  # as equarx-int8's
 
     def __post_init__(self):
         self.check_lane_options()
@@ -110,6 +111,7 @@ class NaiveInt8(RingAllReduce):
     schedule: ClassVar[str] = "ring"
     bidirectional: ClassVar[bool] = False
     num_slices: ClassVar[int] = 1
+    slice_bytes: ClassVar[int] = 0
 
     def codec(self, dtype: jnp.dtype) -> PerTensorInt8Codec:
         return PerTensorInt8Codec(dtype)
