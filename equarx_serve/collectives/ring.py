@@ -9,6 +9,8 @@ software pipeline that XLA's scheduler is free to overlap. Optional per-lane tra
 (`prepare` before encoding, `finish` after decoding: the Hadamard rotation and its inverse)
 pipeline with them; a `decode` hook may replace the codec's decoding of the reduced payloads
 by a linear map of it (the inverse rotation applied to the int8 codes, before their scales).
+One-shot lanes may instead run as two fused kernels on the bytes that travel (`PackedOneShot`:
+EQuARX's native CPU kernels).
 
 Two reduce-scatters:
   ring      (N-1 hops) device i sends the running partial sum of chunk i - s*dir at step s;
@@ -364,10 +366,11 @@ class RingAllReduce(AllReduce):
     def slices_for(self, size: int, dtype: jnp.dtype, axis_size: int) -> int:
         """The pipeline slices of a message of `size` elements: `num_slices`, or with
         `slice_bytes` > 0 as many more as keep what a device sends for one slice (its
-        collectives of one lane) within `slice_bytes`, at most MAX_SLICES. Why: on
-        bandwidth-limited links gloo's collectives run faster in pieces of ~0.5-1 MiB than in
+        collectives of one lane) within `slice_bytes`, at most MAX_SLICES. Why: between 2
+        hosts on a 1 Gbit/s link gloo's all-gather runs faster in pieces of ~0.5-1 MiB than in
         one large one, while each collective costs ~1.5 ms of fixed overhead (loopback: 16 MiB
-        of int8 payload in 16 slices was 2x slower than in one); README, the comm-bound regime."""
+        of int8 payload in 16 slices was 2x slower than in one; 4 hosts on 2 shared cores: 1.6x
+        slower); README, the comm-bound regime."""
         if not self.slice_bytes or axis_size == 1:
             return self.num_slices
         directions = 2 if self.bidirectional else 1
