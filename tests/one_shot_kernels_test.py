@@ -3,6 +3,8 @@ references, and in the all-reduce."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,6 +137,18 @@ def test_switched_off_they_are_the_references(monkeypatch):
     quantize = jax.jit(lambda v: one_shot.rotate_quantize(v, hadamard=True))
     assert "custom_call" not in decode.lower(packed).as_text()
     assert "custom_call" not in quantize.lower(x).as_text()
+
+
+def test_the_kernels_count_as_faster_only_in_an_avx512_build(monkeypatch):
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    assert one_shot.vectorized() == ("avx512f" in flags)
+    assert one_shot.pays(64) == one_shot.vectorized()
+    monkeypatch.setattr(one_shot, "vectorized", lambda: False)
+    assert not one_shot.pays(64)
+    x = np.ones((2, 64, 640), jnp.bfloat16)
+    hlo = lower_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0), x, 2)
+    assert one_shot.DEQUANTIZE.target not in hlo and one_shot.QUANTIZE.target not in hlo
 
 
 # --- in the all-reduce ------------------------------------------------------------------------

@@ -45,7 +45,8 @@ Quantize/dequantize-accumulate is one fused step (`kernels/block_quantize.py`): 
 on TPU/GPU (`kernel="auto"` or `"pallas"`; interpreted on CPU) or the same math in `jnp`, which
 XLA fuses, on CPU (`kernel="auto"` or `"jnp"`). On CPU with `kernel="auto"`, one-shot with
 the rotation (the N = 2 default: bf16 messages, f32 scales, rotation groups of one block) runs
-as two native kernels instead (`kernels/one_shot.py`, built on first use): one rotates (a fast
+as two native kernels instead (`kernels/one_shot.py`, built on first use, used where the build
+has AVX-512): one rotates (a fast
 Walsh-Hadamard transform, not XLA's dense [B, B] product), quantizes and writes the packed
 payload in one pass, the other decodes the all-gathered bytes as they arrive, sums them in rank
 order, rotates back and casts to bf16 in one pass. Measured, 16 MiB on 2 fake devices, the
@@ -436,8 +437,8 @@ class EquarxInt8(RingAllReduce):
     def _runs_natively(self, dtype: jnp.dtype, axis_size: int) -> bool:
         """Whether one-shot runs as the native kernels of `kernels/one_shot.py` (rotate and
         quantize into the packed payload; decode, sum, rotate back and cast straight from the
-        all-gathered bytes): `kernel="auto"` on CPU where they build, bf16 in and out, f32
-        scales, rotation groups of one block, the inverse on the values (see the module doc)."""
+        all-gathered bytes): `kernel="auto"` on CPU where they build with AVX-512, bf16 in and
+        out, f32 scales, rotation groups of one block, the inverse on the values (module doc)."""
         return (
             self.kernel == "auto"
             and self.schedule_for(axis_size) == "one-shot"
