@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import lower_all_reduce, run_all_reduce
+from conftest import AXIS, lower_all_reduce, mesh_of, run_all_reduce
+from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import get_all_reduce
 from equarx_serve.collectives.hadamard import block_hadamard
@@ -144,11 +145,20 @@ def test_the_kernels_count_as_faster_only_in_an_avx512_build(monkeypatch):
     flags = next(line for line in cpuinfo if line.startswith("flags")).split()
     assert one_shot.vectorized() == ("avx512f" in flags)
     assert one_shot.pays(64) == one_shot.vectorized()
+    ar, mesh = get_all_reduce("equarx-int8", min_size_bytes=0), mesh_of(2)
+
+    def program_text() -> str:  # traced afresh: conftest's programs are cached across tests
+        body = lambda b: ar(b[0], AXIS)[None]
+        program = jax.shard_map(body, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+        return jax.jit(program).lower(jnp.ones((2, 64, 640), jnp.bfloat16)).as_text()
+
+    targets = (one_shot.DEQUANTIZE.target, one_shot.QUANTIZE.target)
+    assert all(target in program_text() for target in targets) == one_shot.vectorized()
     monkeypatch.setattr(one_shot, "vectorized", lambda: False)
     assert not one_shot.pays(64)
-    x = np.ones((2, 64, 640), jnp.bfloat16)
-    hlo = lower_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0), x, 2)
-    assert one_shot.DEQUANTIZE.target not in hlo and one_shot.QUANTIZE.target not in hlo
+    hlo = program_text()
+    assert not any(target in hlo for target in targets)
+    assert "all_gather" in hlo  # still the quantized path, with XLA's ops
 
 
 # --- in the all-reduce ------------------------------------------------------------------------
@@ -160,10 +170,14 @@ def test_one_shot_equarx_uses_the_kernels_only_where_they_apply():
     default = get_all_reduce("equarx-int8", min_size_bytes=0)
     for form in (default, default.with_rotated_input()):
         assert all(target in lower_all_reduce(form, x, n) for target in targets)
+    assert all(
+        target
+        in lower_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None), x, n)
+        for target in targets
+    )
     target = one_shot.DEQUANTIZE.target
     for other in (
         get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp"),
-        get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None),
         get_all_reduce("equarx-int8", min_size_bytes=0, schedule="two-shot"),
         get_all_reduce("equarx-int8", min_size_bytes=0, block_size=64, inverse="codes"),
     ):
@@ -184,3 +198,15 @@ def test_with_the_kernel_the_all_reduce_matches_the_xla_ops_within_one_rounding(
     got, want = got.astype(np.float64), want.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
     assert np.mean(got != want) < 0.01
+
+
+def test_without_a_rotation_the_kernels_give_the_xla_ops_bits():
+    """Quantize and decode are the reference's arithmetic on both paths, with nothing between."""
+    n = 2
+    x = np.random.default_rng(3).standard_normal((n, 96, 640)).astype(jnp.bfloat16)
+    x[0, 3, 7], x[1, 5, 9] = np.nan, np.inf  # the non-finite code too
+    fast = get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None)
+    slow = get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None, kernel="jnp")
+    np.testing.assert_array_equal(
+        run_all_reduce(fast, x, n).view(np.uint16), run_all_reduce(slow, x, n).view(np.uint16)
+    )

@@ -44,7 +44,8 @@ rotation once (`foldable_rotation`, `models.gemma3`) and reduce with `with_rotat
 Quantize/dequantize-accumulate is one fused step (`kernels/block_quantize.py`): a Pallas kernel
 on TPU/GPU (`kernel="auto"` or `"pallas"`; interpreted on CPU) or the same math in `jnp`, which
 XLA fuses, on CPU (`kernel="auto"` or `"jnp"`). On CPU with `kernel="auto"`, one-shot with
-the rotation (the N = 2 default: bf16 messages, f32 scales, rotation groups of one block) runs
+the rotation (the N = 2 default: bf16 messages, f32 scales, rotation groups of one block; also
+without a rotation, then bit-identical to XLA's ops) runs
 as two native kernels instead (`kernels/one_shot.py`, built on first use, used where the build
 has AVX-512): one rotates (a fast
 Walsh-Hadamard transform, not XLA's dense [B, B] product), quantizes and writes the packed
@@ -375,9 +376,11 @@ class EquarxInt8(RingAllReduce):
         if self.is_gated(x.size, x.dtype):
             return lax.psum(x, axis_name)
         concrete = self.for_axis_size(axis_size)
-        rotation = concrete.input_rotation
-        if rotation is None:
-            return concrete.ring_reduce(x, axis_name, axis_size, x.dtype)
+        if concrete.input_rotation is None:
+            kernels = None
+            if concrete._runs_natively(x.dtype, axis_size):
+                kernels = concrete._one_shot_kernels(rotate_input=False)
+            return concrete.ring_reduce(x, axis_name, axis_size, x.dtype, packed=kernels)
         # Each lane is rotated (to f32) before it is quantized, and rotated back once its sum is
         # decoded: lanes are contiguous runs of whole rotation groups of the flat message
         # (`pad_rows`), so this is the message's rotation, pipelined with the transfers.
@@ -403,14 +406,7 @@ class EquarxInt8(RingAllReduce):
         values (`inverse_on_codes`)."""
         rotation = self.input_rotation
         if self._runs_natively(x.dtype, axis_size):
-            kernels = PackedOneShot(
-                encode=lambda lane: one_shot.rotate_quantize(
-                    lane.reshape(-1, self.block_size), hadamard=rotate_input
-                ),
-                combine=lambda gathered: one_shot.dequantize_rotate(
-                    gathered, block=self.block_size, hadamard=True
-                ),
-            )
+            kernels = self._one_shot_kernels(rotate_input=rotate_input)
             return self.ring_reduce(x, axis_name, axis_size, x.dtype, packed=kernels)
         prepare = None
         if rotate_input:
@@ -438,15 +434,30 @@ class EquarxInt8(RingAllReduce):
         """Whether one-shot runs as the native kernels of `kernels/one_shot.py` (rotate and
         quantize into the packed payload; decode, sum, rotate back and cast straight from the
         all-gathered bytes): `kernel="auto"` on CPU where they build with AVX-512, bf16 in and
-        out, f32 scales, rotation groups of one block, the inverse on the values (module doc)."""
+        out, f32 scales, no rotation or rotation groups of one block with the inverse on the
+        values (module doc)."""
+        rotation = self.input_rotation
         return (
             self.kernel == "auto"
             and self.schedule_for(axis_size) == "one-shot"
             and not self.inverse_on_codes(axis_size)
             and jnp.dtype(dtype) == jnp.bfloat16
             and self.scale_dtype == "float32"
-            and self.input_rotation.block == self.block_size
+            and (rotation is None or rotation.block == self.block_size)
             and one_shot.pays(self.block_size)
+        )
+
+    def _one_shot_kernels(self, *, rotate_input: bool) -> PackedOneShot:
+        """The native kernels for one lane: rotate the input first only if `rotate_input`;
+        rotate the sum back whenever this all-reduce has a rotation."""
+        rotated = self.input_rotation is not None
+        return PackedOneShot(
+            encode=lambda lane: one_shot.rotate_quantize(
+                lane.reshape(-1, self.block_size), hadamard=rotate_input and rotated
+            ),
+            combine=lambda gathered: one_shot.dequantize_rotate(
+                gathered, block=self.block_size, hadamard=rotated
+            ),
         )
 
 
