@@ -23,13 +23,18 @@ from typing import Protocol
 
 import jax
 
+from equarx_serve.collectives import transport
+
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
-    """`jax.distributed.initialize`, with gloo for cross-process collectives on CPU."""
+    """`jax.distributed.initialize`, with gloo for cross-process collectives on CPU; then the
+    link between the processes is measured (`collectives.transport`, collective: every process
+    calls this), which the all-reduces' `slice_bytes="auto"` goes by."""
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    transport.measure()
 
 
 def add_process_flags(parser) -> None:

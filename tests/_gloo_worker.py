@@ -3,7 +3,8 @@
     python tests/_gloo_worker.py --coordinator HOST:PORT --num-processes 2 --process-id I
 
 Each process owns one CPU device; the collectives cross processes through gloo. Prints one JSON
-line: the process's id and device count, and for each all-reduce a checksum of its local output
+line: the process's id and device count, the link `multiprocess.initialize` measured, and for
+each all-reduce a checksum of its local output
 and that output's relative RMS error against the exact (float64) sum.
 """
 
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve import multiprocess
-from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.collectives import AllReduce, get_all_reduce, transport
 
 SHAPE = (32, 512)
 
@@ -50,7 +51,12 @@ def main() -> None:
     x_global = jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
     exact = x.astype(np.float64).sum(axis=0)
 
-    report: dict[str, object] = {"process_id": args.process_id, "devices": n}
+    link = transport.link()  # measured by multiprocess.initialize
+    report: dict[str, object] = {
+        "process_id": args.process_id,
+        "devices": n,
+        "link": None if link is None else vars(link),
+    }
     for name, options in (("equarx-int8", {"min_size_bytes": 0}), ("psum-f32", {})):
         ar = get_all_reduce(name, **options)
         (shard,) = sharded_all_reduce(ar, mesh)(x_global).addressable_shards

@@ -36,10 +36,12 @@ from equarx_serve.collectives import (
     parse_method,
     register_all_reduce,
     registry,
+    transport,
 )
 from equarx_serve.collectives.base import ring_all_reduce_bytes
 from equarx_serve.collectives.hadamard import block_hadamard, hadamard_scaled_codes
 from equarx_serve.collectives.ring import MAX_SLICES
+from equarx_serve.collectives.transport import LinkEstimate
 
 BUILTINS = ["psum", "psum-f32", "ring", "naive-int8", "equarx-int8"]
 FLOAT_DTYPES = [jnp.bfloat16, jnp.float32, jnp.float16]
@@ -164,6 +166,7 @@ def test_unknown_option_lists_the_valid_ones():
         dict(slice_bytes=-1),
         dict(slice_bytes=0.5),
         dict(slice_bytes=True),
+        dict(slice_bytes="big"),
         dict(min_size_bytes=-1),
         dict(kernel="cuda"),
     ],
@@ -730,6 +733,46 @@ def test_slices_for_keeps_num_slices_as_a_floor_and_caps_the_count():
     ar = equarx(slice_bytes=1).for_axis_size(2)
     assert ar.slices_for(1 << 24, jnp.bfloat16, 2) == MAX_SLICES
     assert ar.slices_for(1 << 24, jnp.bfloat16, 1) == 1  # nothing to send
+
+
+def _link(gbit_per_s: float) -> LinkEstimate:
+    return LinkEstimate(gbit_per_s * 1e9, devices=2, probe_seconds=0.05, empty_seconds=0.001)
+
+
+@pytest.mark.parametrize("name", ["equarx-int8", "ring"])
+def test_auto_slices_only_between_two_devices_on_a_slow_measured_link(name: str):
+    make = equarx if name == "equarx-int8" else functools.partial(get_all_reduce, name)
+    ar, size = make(), 1 << 23  # 16 MiB of bf16
+    concrete = ar.for_axis_size(2) if name == "equarx-int8" else ar
+    threshold = type(ar).AUTO_SLICE_BELOW_BITS_PER_S / 1e9
+    slow, fast = threshold / 2, threshold * 2
+    assert ar.slice_bytes == "auto"
+    with transport.assume(None):  # nothing measured: one process, fake devices
+        assert ar.slice_bytes_for(2) == 0 and concrete.slices_for(size, jnp.bfloat16, 2) == 1
+    with transport.assume(_link(fast)):
+        assert ar.slice_bytes_for(2) == 0
+    with transport.assume(_link(slow)):
+        assert ar.slice_bytes_for(2) == type(ar).AUTO_SLICE_BYTES > 0
+        assert ar.slice_bytes_for(4) == 0  # more devices: extra collectives cost, pay nothing
+        sent = make(slice_bytes=0).wire_bytes(size, jnp.bfloat16, 2)  # in one slice
+        assert concrete.slices_for(size, jnp.bfloat16, 2) == -(-sent // ar.slice_bytes_for(2))
+        assert make(slice_bytes=0).slice_bytes_for(2) == 0  # a number given wins
+        assert make(slice_bytes=1 << 20).slice_bytes_for(2) == 1 << 20
+
+
+def test_auto_slicing_on_a_slow_link_keeps_the_bits():
+    n, ar = 2, equarx()
+    x = llm_activations(n, 768, 1024, seed=6).astype(jnp.bfloat16)  # 1.5 MiB a device
+    whole = run_all_reduce(ar, x, n)  # nothing measured in this process: one slice
+    body = lambda b: ar(b[0], AXIS)[None]
+    inputs = jax.device_put(x, NamedSharding(mesh_of(n), P(AXIS)))
+    with transport.assume(_link(0.1)):  # a fresh program, traced under the slow link
+        program = jax.jit(jax.shard_map(body, mesh=mesh_of(n), in_specs=P(AXIS), out_specs=P(AXIS)))
+        slices = ar.for_axis_size(n).slices_for(x[0].size, jnp.bfloat16, n)
+        hlo = program.lower(inputs).compile().as_text()
+        sliced = np.asarray(program(inputs))
+    assert slices == 2 and len(ALL_GATHER.findall(hlo)) == slices
+    np.testing.assert_array_equal(sliced.view(np.uint16), whole.view(np.uint16))
 
 
 # --- bytes on the wire ------------------------------------------------------------------------

@@ -28,6 +28,17 @@ def test_two_processes_over_gloo_agree_bit_for_bit():
     assert reports[0]["equarx-int8"]["rel_rms"] > 1e-4  # it did quantize
 
 
+def test_every_process_records_the_same_measured_link():
+    """`multiprocess.initialize` measures the link (`collectives.transport`); the processes
+    must agree on it exactly, or `slice_bytes="auto"` could trace different programs."""
+    outputs = multiprocess.run_local_processes(
+        [sys.executable, str(WORKER)], 2, timeout_s=120, env={"JAX_PLATFORMS": "cpu"}
+    )
+    first, second = (json.loads(out.stdout.strip().splitlines()[-1])["link"] for out in outputs)
+    assert first == second
+    assert first["devices"] == 2 and first["bits_per_s"] > 0
+
+
 def _python(tmp_path: Path, code: str) -> list[str]:
     script = tmp_path / "child.py"
     script.write_text(code)

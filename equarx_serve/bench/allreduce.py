@@ -332,8 +332,15 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
     ]
     measured = {(r["mode"], r["n"]): r["link"] for r in results if r.get("link") is not None}
     link_measurements = [{"mode": mode, "n": n} | m for (mode, n), m in measured.items()]
+    probes = {(r["mode"], r["n"]): r.get("transport_probe") for r in results}
+    transport_probes = [{"mode": mode, "n": n} | p for (mode, n), p in probes.items() if p]
     path.parent.mkdir(parents=True, exist_ok=True)
-    document = {"settings": settings, "link_measurements": link_measurements, "rows": rows}
+    document = {
+        "settings": settings,
+        "link_measurements": link_measurements,
+        "transport_probes": transport_probes,
+        "rows": rows,
+    }
     path.write_text(json.dumps(document, indent=1) + "\n")
 
 
@@ -354,6 +361,17 @@ def _measure_mesh(
             mesh_results.append(result)
             bar.update(len(methods))
     bar.write(format_table(mode, n, mesh_results, link))
+    if (probe := mesh_results[0].get("transport_probe")) is not None:
+        slices = ", ".join(
+            f"{format_size(r['size_bytes'])} {row['label']} {row['slices']}"
+            for r in mesh_results
+            for row in r["rows"]
+            if row.get("slices") is not None
+        )
+        bar.write(
+            f"transport probe (what slice_bytes='auto' goes by): "
+            f"{probe['bits_per_s'] / 1e9:.2f} Gbit/s sent per device; slices: {slices}"
+        )
     return mesh_results
 
 

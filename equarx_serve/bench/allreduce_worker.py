@@ -47,7 +47,8 @@ from jax.sharding import PartitionSpec as P
 
 from equarx_serve import multiprocess
 from equarx_serve.bench.hlo_bytes import collective_wire_bytes
-from equarx_serve.collectives import get_all_reduce
+from equarx_serve.collectives import get_all_reduce, transport
+from equarx_serve.collectives.ring import RingAllReduce
 
 MODULE = "equarx_serve.bench.allreduce_worker"
 RESULT_MARKER = "EQUARX_BENCH_RESULT"
@@ -201,6 +202,7 @@ def measure(
             "wire_bytes_hlo": hlo_bytes,
             "wire_bytes_hlo_total": sum(hlo_bytes.values()),
             "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
+            "slices": _slices(ar, num_elements, n),
             **_errors(program(inputs), expected),
         }
 
@@ -214,8 +216,17 @@ def measure(
         "num_processes": jax.process_count(),
         "size_bytes": size_bytes,
         "repeats": repeats,
+        "transport_probe": None if (probe := transport.link()) is None else vars(probe),
         "rows": list(rows.values()),
     }
+
+
+def _slices(ar: object, num_elements: int, n: int) -> int | None:
+    """The pipeline slices a ring-engine method cuts this message into (None for others)."""
+    if not isinstance(ar, RingAllReduce):
+        return None
+    concrete = ar.for_axis_size(n) if hasattr(ar, "for_axis_size") else ar
+    return concrete.slices_for(num_elements, jnp.bfloat16, n)
 
 
 def command(

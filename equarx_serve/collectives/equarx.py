@@ -185,6 +185,12 @@ class EquarxInt8(RingAllReduce):
 
     name: ClassVar[str] = "equarx-int8"
     quantized: ClassVar[bool] = True
+    # slice_bytes="auto". Measured on 2 emulated hosts, 16 / 64 MiB: 1 Gbit/s 121 / 535 ms in
+    # one slice, 96-102 / 426-443 ms in 0.5 MiB slices; 2.5 Gbit/s 55 vs 67 ms (16 MiB), 5
+    # Gbit/s 32 vs 55 ms: slicing pays only on the slowest of those links, where the probe
+    # (`transport`) read 0.65 Gbit/s (2.5 Gbit/s: 1.73).
+    AUTO_SLICE_BYTES: ClassVar[int] = 512 * 1024
+    AUTO_SLICE_BELOW_BITS_PER_S: ClassVar[float] = 1.2e9
 
     # The codec, where not given (None): chosen by the schedule the axis size runs
     # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with float32 scales for one-shot (N = 2),
@@ -229,11 +235,11 @@ class EquarxInt8(RingAllReduce):
     bidirectional: bool = False
     num_slices: int = 1
     # With slice_bytes > 0, more slices where a message needs them so that a device sends at
-    # most slice_bytes for one slice (`RingAllReduce.slices_for`). Off by default: on loopback
-    # each extra collective costs ~1.5 ms (16 MiB in 16 slices: 2x slower). On 2 emulated hosts
-    # at 1 Gbit/s, 16 MiB: 124 ms in one slice, 84 ms in 16 (0.53 MiB each); the 16-bit ring
-    # 237 -> 176 ms (1 MiB slices). For hosts on links of a few Gbit/s or less: 524288.
-    slice_bytes: int = 0
+    # most slice_bytes for one slice (`RingAllReduce.slices_for`); "auto": AUTO_SLICE_BYTES
+    # between 2 devices where `transport.measure` found a link slower than
+    # AUTO_SLICE_BELOW_BITS_PER_S (hosts on a slow network), else none (loopback, fake devices,
+    # more than 2 devices: every extra collective costs ~1-2 ms and pays nothing there).
+    slice_bytes: int | Literal["auto"] = "auto"
     min_size_bytes: int = DEFAULT_MIN_SIZE_BYTES
     # auto: the Pallas quantizer on TPU/GPU; on CPU the jnp one, and one-shot's last step as
     # the native dequantize-rotate kernel where it applies (module doc). jnp: XLA ops only.

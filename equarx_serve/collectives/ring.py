@@ -55,12 +55,13 @@ import dataclasses
 import functools
 import operator
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx_serve.collectives import transport
 from equarx_serve.collectives.base import AllReduce, check_float_dtype
 
 Payload = Any  # a pytree of arrays: what one hop puts on the wire
@@ -321,10 +322,15 @@ class RingAllReduce(AllReduce):
     """Base of the all-reduces on `pipelined_all_reduce` (see the module doc).
 
     Subclasses define `schedule` (one of `SCHEDULES`), `bidirectional`, `num_slices` and
-    `slice_bytes` (see `slices_for`), as
-    options (dataclass fields, checked by `check_lane_options`) or as fixed ClassVars, and
-    `codec`, `payload_bytes` and `lane_block`.
+    `slice_bytes` (an int, or "auto": see `slice_bytes_for`), as options (dataclass fields,
+    checked by `check_lane_options`) or as fixed ClassVars, and `codec`, `payload_bytes` and
+    `lane_block`; and may set what `slice_bytes="auto"` does (AUTO_SLICE_*).
     """
+
+    # slice_bytes="auto": AUTO_SLICE_BYTES between 2 devices where `transport.measure` found
+    # a link slower than AUTO_SLICE_BELOW_BITS_PER_S, else no slicing (subclasses set both).
+    AUTO_SLICE_BYTES: ClassVar[int] = 0
+    AUTO_SLICE_BELOW_BITS_PER_S: ClassVar[float] = 0.0
 
     def check_lane_options(self) -> None:
         """ValueError naming the first bad lane option."""
@@ -335,8 +341,8 @@ class RingAllReduce(AllReduce):
         if not isinstance(self.num_slices, int) or self.num_slices < 1:
             raise ValueError(f"num_slices must be an int >= 1, got {self.num_slices!r}")
         size = self.slice_bytes
-        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-            raise ValueError(f"slice_bytes must be an int >= 0, got {size!r}")
+        if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise ValueError(f"slice_bytes must be an int >= 0 or 'auto', got {size!r}")
 
     def schedule_for(self, axis_size: int) -> str:
         """The schedule run over `axis_size` devices: `schedule`, where "auto" is one-shot over
@@ -363,19 +369,29 @@ class RingAllReduce(AllReduce):
         """Bytes of one encoded chunk of `num_elements` (padded) elements of `dtype`."""
         raise NotImplementedError
 
+    def slice_bytes_for(self, axis_size: int) -> int:
+        """`slice_bytes` as it applies over `axis_size` devices (0: no slicing). "auto": slices
+        only between 2 devices on a link that `transport.measure` found slow (see the class
+        constants): there gloo moves a large message faster in pieces. Elsewhere each extra
+        collective costs ~1-2 ms of fixed overhead and pays nothing: loopback, 16 MiB of int8
+        payload in 16 slices 2x slower than in one; 4 emulated hosts on 2 shared cores at 1
+        Gbit/s, 1.6-7x slower. README, the comm-bound regime."""
+        if self.slice_bytes != "auto":
+            return self.slice_bytes
+        measured = transport.link()
+        slow = measured is not None and measured.bits_per_s < self.AUTO_SLICE_BELOW_BITS_PER_S
+        return self.AUTO_SLICE_BYTES if axis_size == 2 and slow else 0
+
     def slices_for(self, size: int, dtype: jnp.dtype, axis_size: int) -> int:
-        """The pipeline slices of a message of `size` elements: `num_slices`, or with
-        `slice_bytes` > 0 as many more as keep what a device sends for one slice (its
-        collectives of one lane) within `slice_bytes`, at most MAX_SLICES. Why: between 2
-        hosts on a 1 Gbit/s link gloo's all-gather runs faster in pieces of ~0.5-1 MiB than in
-        one large one, while each collective costs ~1.5 ms of fixed overhead (loopback: 16 MiB
-        of int8 payload in 16 slices was 2x slower than in one; 4 hosts on 2 shared cores: 1.6x
-        slower); README, the comm-bound regime."""
-        if not self.slice_bytes or axis_size == 1:
+        """The pipeline slices of a message of `size` elements: `num_slices`, or where
+        `slice_bytes_for` is > 0 as many more as keep what a device sends for one slice (its
+        collectives of one lane) within it, at most MAX_SLICES."""
+        slice_bytes = self.slice_bytes_for(axis_size)
+        if not slice_bytes or axis_size == 1:
             return self.num_slices
         directions = 2 if self.bidirectional else 1
         sent = self._wire_bytes_of(self.layout(size, axis_size, num_slices=1), dtype) // directions
-        return max(self.num_slices, min(MAX_SLICES, -(-sent // self.slice_bytes)))
+        return max(self.num_slices, min(MAX_SLICES, -(-sent // slice_bytes)))
 
     def layout(self, size: int, axis_size: int, *, num_slices: int) -> LaneLayout:
         return LaneLayout.create(
