@@ -16,7 +16,9 @@ slowest process's, so that all of them trace the same programs (processes whose 
 differ would wait on each other's collectives forever). Cost: two compiles and
 2 (PROBE_ROUNDS + 1) runs, ~0.3 s of transfers on a 1 Gbit/s link.
 
-Not measured (one process, fake CPU devices, or before `measure`): no link, no slicing.
+Not measured (one process, fake CPU devices, or before `measure`): no link, no slicing. A
+program that joins its processes itself (`jax.distributed.initialize`) calls `measure()` after
+it, before tracing its all-reduces, to get the same defaults.
 """
 
 from __future__ import annotations
