@@ -17,6 +17,9 @@ WAITER = "import os, time; print(os.getpid(), flush=True); time.sleep(3600)"
 
 
 def main() -> None:
+    # Ctrl-C as a terminal delivers it: a background job of a shell (a CI script's `cmd &`)
+    # starts with SIGINT ignored, and this process would inherit that.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     with Cluster(2, Link.parse("100mbit")) as cluster:
         waiters = [
             subprocess.Popen(
