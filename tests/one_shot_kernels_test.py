@@ -186,18 +186,20 @@ def test_one_shot_equarx_uses_the_kernels_only_where_they_apply():
 
 
 @pytest.mark.parametrize("rotated_input", [False, True])
-def test_with_the_kernel_the_all_reduce_matches_the_xla_ops_within_one_rounding(rotated_input):
-    n = 2
-    x = np.random.default_rng(1).standard_normal((n, 96, 640)).astype(jnp.bfloat16)
+@pytest.mark.parametrize(("n", "differ"), [(2, 0.01), (4, 0.02)])  # one-shot, two-shot
+def test_with_the_kernels_the_all_reduce_matches_the_xla_ops_within_one_rounding(
+    n, differ, rotated_input
+):
+    x = np.random.default_rng(n).standard_normal((n, 96, 640)).astype(jnp.bfloat16)
     fast = get_all_reduce("equarx-int8", min_size_bytes=0)
     slow = get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp")
     if rotated_input:
         fast, slow = fast.with_rotated_input(), slow.with_rotated_input()
     got, want = run_all_reduce(fast, x, n), run_all_reduce(slow, x, n)
-    assert (got[0].view(np.uint16) == got[1].view(np.uint16)).all()  # replicas identical
+    assert all((got[0].view(np.uint16) == g.view(np.uint16)).all() for g in got)  # replicas
     got, want = got.astype(np.float64), want.astype(np.float64)
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
-    assert np.mean(got != want) < 0.01
+    assert np.mean(got != want) < differ
 
 
 def test_without_a_rotation_the_kernels_give_the_xla_ops_bits():
@@ -210,3 +212,95 @@ def test_without_a_rotation_the_kernels_give_the_xla_ops_bits():
     np.testing.assert_array_equal(
         run_all_reduce(fast, x, n).view(np.uint16), run_all_reduce(slow, x, n).view(np.uint16)
     )
+
+
+# --- two-shot's last step: each chunk decoded and rotated back ---------------------------------
+
+
+def _chunks(k: int, rows: int, block: int, scale_dtype: str, seed: int = 0) -> np.ndarray:
+    """K chunk payloads as two-shot all-gathers them: codes, then scales in `scale_dtype`."""
+    codes, scales = _payloads(k, rows, block, seed)
+    scale_bytes = np.asarray(jnp.asarray(scales, scale_dtype)).view(np.uint8).reshape(k, -1)
+    return np.concatenate([codes.view(np.uint8).reshape(k, -1), scale_bytes], axis=1)
+
+
+@pytest.mark.parametrize(
+    ("k", "rows", "block", "group", "scale_dtype"),
+    [
+        (4, 64, 32, 64, "bfloat16"),  # the N > 2 default
+        (3, 12, 16, 64, "float32"),
+        (2, 8, 64, 64, "float32"),
+        (2, 12, 8, 32, "bfloat16"),
+        (1, 4, 64, 128, "float32"),
+    ],
+)
+def test_the_each_decode_kernel_gives_the_references_bits(k, rows, block, group, scale_dtype):
+    packed = _chunks(k, rows, block, scale_dtype)
+    args = dict(block=block, group=group, scale_dtype=scale_dtype)
+    apply = jax.jit(lambda p: one_shot.decode_rotate_each(p, **args))
+    reference = jax.jit(lambda p: one_shot.decode_rotate_each_reference(p, **args))
+    assert one_shot.DECODE_EACH.target in apply.lower(packed).as_text()
+    got = apply(packed)
+    assert got.shape == (k, rows, block) and got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(_bits(got), _bits(reference(packed)))
+
+
+def test_each_decode_is_the_dense_rotation_of_each_decoded_chunk_within_one_rounding():
+    codes, scales = _payloads(3, 64, 32, seed=2)
+    codes = np.where(codes == -128, -127, codes).astype(np.int8)
+    scales = np.full_like(scales, 0.01)
+    packed = np.concatenate(
+        [codes.view(np.uint8).reshape(3, -1), scales.view(np.uint8).reshape(3, -1)], axis=1
+    )
+    got = one_shot.decode_rotate_each(packed, block=32, group=64, scale_dtype="float32")
+    decoded = (codes.astype(np.float32) * scales[..., None]).reshape(3, 32, 64)
+    want = np.asarray(block_hadamard(jnp.asarray(decoded))).reshape(3, 64, 32)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2**-7, atol=1e-6)
+
+
+def test_a_non_finite_code_makes_its_group_nan_and_only_that_group():
+    codes, scales = np.ones((2, 8, 32), np.int8), np.ones((2, 8), np.float32)
+    codes[1, 5, 3] = -128  # chunk 1, rows 4-5 form its group 2
+    packed = np.concatenate(
+        [codes.view(np.uint8).reshape(2, -1), scales.view(np.uint8).reshape(2, -1)], axis=1
+    )
+    got = np.asarray(
+        one_shot.decode_rotate_each(packed, block=32, group=64, scale_dtype="float32"), np.float32
+    )
+    nan = np.isnan(got)
+    assert nan[1, 4:6].all() and nan.sum() == 64
+
+
+@pytest.mark.parametrize(
+    ("shape", "block", "group", "scale_dtype", "match"),
+    [
+        ((2, 4 * 34), 32, 48, "bfloat16", "power of two"),
+        ((2, 4 * 34), 64, 32, "bfloat16", "dividing group"),
+        ((2, 3 * 34), 32, 64, "bfloat16", "whole groups"),
+        ((2, 4 * 34), 32, 64, "float16", "scale_dtype"),
+        ((4 * 34,), 32, 64, "bfloat16", "want packed payloads"),
+    ],
+)
+def test_each_decode_rejects_a_bad_layout(shape, block, group, scale_dtype, match):
+    with pytest.raises(ValueError, match=match):
+        one_shot.decode_rotate_each(
+            jnp.zeros(shape, jnp.uint8), block=block, group=group, scale_dtype=scale_dtype
+        )
+
+
+def test_two_shot_equarx_decodes_with_the_kernel_only_where_it_applies():
+    n, x = 4, np.random.default_rng(4).standard_normal((4, 64, 640)).astype(jnp.bfloat16)
+    target = one_shot.DECODE_EACH.target
+    default = get_all_reduce("equarx-int8", min_size_bytes=0)
+    for form in (default, default.with_rotated_input()):
+        assert (target in lower_all_reduce(form, x, n)) == one_shot.decodes_each(32, 64)
+    for other in (
+        get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp"),
+        get_all_reduce(
+            "equarx-int8", min_size_bytes=0, block_size=32, scale_dtype="bfloat16", inverse="codes"
+        ),
+        get_all_reduce("equarx-int8", min_size_bytes=0, schedule="ring"),
+        get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None),
+    ):
+        assert target not in lower_all_reduce(other, x, n), other
+    assert target not in lower_all_reduce(default, x.astype(np.float32), n)  # f32 out

@@ -160,6 +160,7 @@ def pipelined_all_reduce(
     decode: PayloadFn | None = None,
     finish: LaneFn | None = None,
     packed: PackedOneShot | None = None,
+    decode_gathered: LaneFn | None = None,
 ) -> jax.Array:
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
 
@@ -170,6 +171,9 @@ def pipelined_all_reduce(
     `finish` maps each reduced lane of those values to the output in `out_dtype` (e.g. the
     inverse rotation). All per lane, so lane k's transforms can overlap lane k+1's transfer.
     One-shot only: `packed` replaces those steps by two fused kernels on the wire bytes.
+    Two-shot only: `decode_gathered` replaces `decode` and `finish` of the all-gathered
+    payloads by one kernel on their bytes (u8 [N, bytes] as `pack_payload` lays each out ->
+    [N, R, B] out_dtype).
     """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
@@ -191,6 +195,8 @@ def pipelined_all_reduce(
         )
     if packed is not None:
         raise ValueError(f"packed kernels are for the one-shot schedule, not {schedule!r}")
+    if decode_gathered is not None and schedule != "two-shot":
+        raise ValueError(f"decode_gathered is for the two-shot schedule, not {schedule!r}")
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
@@ -233,6 +239,11 @@ def pipelined_all_reduce(
         if schedule == "ring":
             with jax.named_scope("ring_all_gather"):
                 in_place = _ring_all_gather(payload[key], owned[key], axis_name, direction[key])
+        elif decode_gathered is not None:  # the kernel, on the bytes as they arrive
+            with jax.named_scope("all_gather"):
+                gathered = lax.all_gather(pack_payload(payload[key]), axis_name)
+            decoded[key] = decode_gathered(gathered)
+            continue
         else:
             with jax.named_scope("all_gather"):
                 in_place = all_gather_payload(payload[key], axis_name)  # chunk p from device p
@@ -421,10 +432,11 @@ class RingAllReduce(AllReduce):
         decode: PayloadFn | None = None,
         finish: LaneFn | None = None,
         packed: PackedOneShot | None = None,
+        decode_gathered: LaneFn | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
-        `out_dtype`; `prepare`, `decode`, `finish` and `packed` are `pipelined_all_reduce`'s
-        hooks."""
+        `out_dtype`; `prepare`, `decode`, `finish`, `packed` and `decode_gathered` are
+        `pipelined_all_reduce`'s hooks."""
         layout = self._layout_for(x.size, x.dtype, axis_size)
         schedule = self.schedule_for(axis_size)
         with jax.named_scope(f"{self.name}_{schedule}".replace("-", "_")):
@@ -438,6 +450,7 @@ class RingAllReduce(AllReduce):
                 decode=decode,
                 finish=finish,
                 packed=packed,
+                decode_gathered=decode_gathered,
             )
         return layout.from_lanes(reduced, x.shape)
 

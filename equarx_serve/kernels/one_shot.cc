@@ -1,4 +1,5 @@
-// One-shot EQuARX's two native steps on CPU, the XLA:CPU custom calls behind one_shot.py.
+// One-shot EQuARX's two native steps on CPU, and two-shot's last, the XLA:CPU custom calls
+// behind one_shot.py.
 //
 // RotateQuantize (first step): rotate each row of B values, quantize it, pack the payload.
 //
@@ -127,6 +128,51 @@ void Rows(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
   }
 }
 
+// DecodeRotateEach (two-shot's last step): K payloads of different chunks, each decoded on its
+// own and rotated back in groups of G = k B elements (k consecutive rows of one payload):
+//
+//   out[p, g, :] = bf16(H_G (codes[p, rows of g] * their scales) / sqrt(G))
+//
+// payload p: codes int8 [M, B] then scales [M] as f32 (4 bytes) or bf16 (2 bytes). Per element
+// one multiply and log2(G) adds; one pass over K M (B + S) bytes in, 2 K M B out.
+struct Chunks {
+  const uint8_t* packed;
+  int64_t stride, m, block, scale_bytes;
+  const int8_t* Codes(int64_t p, int64_t row) const {
+    return reinterpret_cast<const int8_t*>(packed + p * stride + row * block);
+  }
+  float Scale(int64_t p, int64_t row) const {
+    const uint8_t* at = packed + p * stride + m * block + row * scale_bytes;
+    if (scale_bytes == 2) {
+      uint16_t bits;
+      std::memcpy(&bits, at, sizeof(bits));
+      return Bf16ToF32(bits);
+    }
+    float scale;
+    std::memcpy(&scale, at, sizeof(scale));
+    return scale;
+  }
+};
+
+template <int64_t G>
+void EachGroups(const Chunks& in, uint16_t* out, int64_t k) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  const int64_t rows_per_group = G / in.block;
+  alignas(64) float v[G];
+  for (int64_t p = 0; p < k; ++p) {
+    for (int64_t row = 0; row < in.m; row += rows_per_group) {
+      for (int64_t e = 0; e < G; ++e) {
+        const int64_t r = row + e / in.block;
+        const int8_t q = in.Codes(p, r)[e % in.block];
+        v[e] = q == kNonFiniteCode ? nan : static_cast<float>(q) * in.Scale(p, r);
+      }
+      Fwht<G>(v);
+      uint16_t* o = out + (p * in.m + row) * in.block;
+      for (int64_t e = 0; e < G; ++e) o[e] = F32ToBf16(v[e]);
+    }
+  }
+}
+
 #if defined(__AVX512F__)
 // B = 64 (the default rotation block) with AVX-512: a row in four registers of 16 lanes. The
 // same arithmetic as Rows<64>, in the same order: strides 32 and 16 pair whole registers;
@@ -208,6 +254,30 @@ void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
     }
     for (int r = 0; r < 4; ++r) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + row * 64 + 16 * r), ToBf16(v[r]));
+    }
+  }
+}
+
+// EachGroups<64> with AVX-512 (B = 16, 32 or 64): a group in four registers, register r holding
+// elements 16 r .. 16 r + 15, all of one row; the same arithmetic in the same order.
+void EachGroups64Avx512(const Chunks& in, uint16_t* out, int64_t k) {
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
+  const __m512 halve = _mm512_set1_ps(0.5f);
+  const InLane lanes;
+  const int64_t rows_per_group = 64 / in.block;
+  for (int64_t p = 0; p < k; ++p) {
+    for (int64_t row = 0; row < in.m; row += rows_per_group) {
+      const int8_t* q = in.Codes(p, row);  // the group's rows are consecutive
+      __m512 v[4];
+      for (int r = 0; r < 4; ++r) {
+        const __m512 scale = _mm512_set1_ps(in.Scale(p, row + 16 * r / in.block));
+        v[r] = Decode16(q + 16 * r, scale, nan);
+      }
+      Fwht64(v, lanes.partner, lanes.upper, halve);
+      uint16_t* o = out + (p * in.m + row) * in.block;
+      for (int r = 0; r < 4; ++r) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * r), ToBf16(v[r]));
+      }
     }
   }
 }
@@ -338,6 +408,50 @@ ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
   return ffi::Error::Success();
 }
 
+using EachFn = void (*)(const Chunks&, uint16_t*, int64_t);
+
+EachFn EachFor(int64_t group) {
+  switch (group) {
+    case 2: return EachGroups<2>;
+    case 4: return EachGroups<4>;
+    case 8: return EachGroups<8>;
+    case 16: return EachGroups<16>;
+    case 32: return EachGroups<32>;
+    case 128: return EachGroups<128>;
+    case 256: return EachGroups<256>;
+    default: return nullptr;
+  }
+}
+
+ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
+                            int64_t block, int64_t group, int64_t scale_bytes) {
+  auto dims = packed.dimensions();
+  EachFn each = nullptr;
+#if defined(__AVX512F__)
+  if (group == 64 && block >= 16) each = EachGroups64Avx512;
+#else
+  if (group == 64) each = EachGroups<64>;
+#endif
+  if (group != 64) each = group <= kMaxBlock ? EachFor(group) : nullptr;
+  const bool blocks_fit = block >= 1 && group % block == 0 && !(block & (block - 1));
+  if (each == nullptr || !blocks_fit || (scale_bytes != 2 && scale_bytes != 4)) {
+    return ffi::Error::InvalidArgument(
+        "decode_rotate_each: want a power-of-two group of 2 to 256 elements made of whole "
+        "power-of-two blocks (AVX-512 builds: blocks of 16 or more at group 64), scales of 2 "
+        "or 4 bytes");
+  }
+  const int64_t per_row = block + scale_bytes;
+  if (dims.size() != 2 || dims[0] < 1 || dims[1] % per_row != 0 ||
+      (dims[1] / per_row) % (group / block) != 0) {
+    return ffi::Error::InvalidArgument(
+        "decode_rotate_each: want payloads [K, M * (block + scale bytes)] bytes, K >= 1, M a "
+        "multiple of group / block");
+  }
+  const Chunks in{packed.typed_data(), dims[1], dims[1] / per_row, block, scale_bytes};
+  each(in, reinterpret_cast<uint16_t*>(out->typed_data()), dims[0]);
+  return ffi::Error::Success();
+}
+
 ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> out,
                           int64_t hadamard) {
   auto dims = x.dimensions();
@@ -369,6 +483,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxRotateQuantize, RotateQuantize,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("hadamard"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEach, DecodeRotateEach,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("scale_bytes"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotate, DequantizeRotate,
                               ffi::Ffi::Bind()

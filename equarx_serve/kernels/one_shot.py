@@ -1,5 +1,6 @@
 """One-shot EQuARX's two steps on CPU as native kernels: rotate-quantize-pack, and
-dequantize-sum-rotate.
+dequantize-sum-rotate; and two-shot's last step, `decode_rotate_each` (each all-gathered chunk
+decoded and rotated back).
 
     packed = one_shot.rotate_quantize(x, hadamard=True)
     # x bf16 [M, B] -> u8 [M * (B + 4)]: the codes int8 [M, B] of each row rotated by
@@ -43,6 +44,9 @@ from equarx_serve.kernels.native import NativeKernel
 
 __all__ = [
     "MAX_BLOCK",
+    "decode_rotate_each",
+    "decode_rotate_each_reference",
+    "decodes_each",
     "dequantize_rotate",
     "dequantize_rotate_reference",
     "pack",
@@ -62,6 +66,10 @@ DEQUANTIZE = NativeKernel(
 QUANTIZE = NativeKernel(
     _SOURCE, "EquarxRotateQuantize", "equarx_rotate_quantize", "XLA's ops", _FLAGS
 )
+DECODE_EACH = NativeKernel(
+    _SOURCE, "EquarxDecodeRotateEach", "equarx_decode_rotate_each", "XLA's ops", _FLAGS
+)
+_SCALE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def pack(codes: jax.Array, scales: jax.Array) -> jax.Array:
@@ -134,6 +142,67 @@ def dequantize_rotate_reference(packed: jax.Array, *, block: int, hadamard: bool
     decoded = jnp.where(codes == NONFINITE_CODE, jnp.nan, decoded)
     summed = functools.reduce(operator.add, [decoded[k] for k in range(codes.shape[0])])
     return (_walsh_hadamard(summed) if hadamard else summed).astype(jnp.bfloat16)
+
+
+def _each_rows(packed: jax.Array, block: int, group: int, scale_dtype: str) -> tuple[int, int]:
+    """(K, M) of packed u8 [K, M * (B + S)], S the scale bytes of `scale_dtype`; ValueError
+    unless the rows make whole groups of `group` elements."""
+    _check_block(group)
+    if scale_dtype not in _SCALE_BYTES:
+        raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_BYTES)}, got {scale_dtype!r}")
+    if not isinstance(block, int) or block < 1 or block & (block - 1) or group % block:
+        raise ValueError(f"block must be a power of two dividing group {group}, got {block!r}")
+    per_row = block + _SCALE_BYTES[scale_dtype]
+    if packed.dtype != jnp.uint8 or packed.ndim != 2 or packed.shape[0] < 1:
+        raise ValueError(f"want packed payloads u8 [K, bytes], got {packed.dtype} {packed.shape}")
+    if packed.shape[1] % per_row or (packed.shape[1] // per_row) % (group // block):
+        raise ValueError(
+            f"a payload of {packed.shape[1]} bytes is not whole groups of {group // block} rows "
+            f"of {block} codes + a {scale_dtype} scale"
+        )
+    return packed.shape[0], packed.shape[1] // per_row
+
+
+def decode_rotate_each_reference(
+    packed: jax.Array, *, block: int, group: int, scale_dtype: str
+) -> jax.Array:
+    """packed u8 [K, M * (B + S)], K payloads of different chunks -> bf16 [K, M, B]: each
+    decoded on its own and rotated back in groups of `group` elements, as jnp ops."""
+    k, m = _each_rows(packed, block, group, scale_dtype)
+    codes = lax.bitcast_convert_type(packed[:, : m * block], jnp.int8).reshape(k, m, block)
+    raw = packed[:, m * block :].reshape(k, m, _SCALE_BYTES[scale_dtype])
+    scales = lax.bitcast_convert_type(raw, jnp.dtype(scale_dtype)).astype(jnp.float32)
+    decoded = jnp.where(
+        codes == NONFINITE_CODE, jnp.nan, codes.astype(jnp.float32) * scales[..., None]
+    )
+    rotated = _walsh_hadamard(decoded.reshape(-1, group))
+    return rotated.astype(jnp.bfloat16).reshape(k, m, block)
+
+
+def decodes_each(block: int, group: int) -> bool:
+    """Whether `decode_rotate_each` is the faster way for these rows: the CPU, an AVX-512 build
+    of the kernels, and the form its vector loop takes (groups of 64 of blocks of 16 to 64)."""
+    fits = group == 64 and block in (16, 32, 64)
+    return fits and jax.default_backend() == "cpu" and DECODE_EACH.available() and vectorized()
+
+
+def decode_rotate_each(packed: jax.Array, *, block: int, group: int, scale_dtype: str) -> jax.Array:
+    """Two-shot's last step: packed u8 [K, M * (B + S)] (K all-gathered chunk payloads, codes
+    then scales) -> bf16 [K, M, B], each chunk decoded and rotated back in groups of `group`:
+    the kernel on CPU where it is available, else `decode_rotate_each_reference` (the same
+    bits)."""
+    k, m = _each_rows(packed, block, group, scale_dtype)
+    out = jax.ShapeDtypeStruct((k, m, block), jnp.bfloat16)
+    attrs = dict(
+        block=np.int64(block),
+        group=np.int64(group),
+        scale_bytes=np.int64(_SCALE_BYTES[scale_dtype]),
+    )
+    native = functools.partial(_call, DECODE_EACH, out=out, **attrs)
+    reference = functools.partial(
+        decode_rotate_each_reference, block=block, group=group, scale_dtype=scale_dtype
+    )
+    return _native_or(reference, DECODE_EACH, native, packed)
 
 
 def pays(block: int) -> bool:
