@@ -362,15 +362,16 @@ def _measure_mesh(
             bar.update(len(methods))
     bar.write(format_table(mode, n, mesh_results, link))
     if (probe := mesh_results[0].get("transport_probe")) is not None:
-        slices = ", ".join(
+        sliced = ", ".join(
             f"{format_size(r['size_bytes'])} {row['label']} {row['slices']}"
             for r in mesh_results
             for row in r["rows"]
-            if row.get("slices") is not None
+            if (row.get("slices") or 1) > 1
         )
         bar.write(
             f"transport probe (what slice_bytes='auto' goes by): "
-            f"{probe['bits_per_s'] / 1e9:.2f} Gbit/s sent per device; slices: {slices}"
+            f"{probe['bits_per_s'] / 1e9:.2f} Gbit/s sent per device; "
+            f"{'slices: ' + sliced if sliced else 'no row sliced'}"
         )
     return mesh_results
 
