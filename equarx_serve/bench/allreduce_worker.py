@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 from equarx_serve import multiprocess
 from equarx_serve.bench.hlo_bytes import collective_wire_bytes
 from equarx_serve.collectives import get_all_reduce, transport
+from equarx_serve.collectives.equarx import EquarxInt8, RotatedInput
 from equarx_serve.collectives.ring import RingAllReduce
 
 MODULE = "equarx_serve.bench.allreduce_worker"
@@ -223,10 +224,13 @@ def measure(
 
 def _slices(ar: object, num_elements: int, n: int) -> int | None:
     """The pipeline slices a ring-engine method cuts this message into (None for others)."""
+    if isinstance(ar, RotatedInput):  # the model's form: its method's lanes
+        ar = ar.method
+    if isinstance(ar, EquarxInt8):
+        ar = ar.for_axis_size(n)
     if not isinstance(ar, RingAllReduce):
         return None
-    concrete = ar.for_axis_size(n) if hasattr(ar, "for_axis_size") else ar
-    return concrete.slices_for(num_elements, jnp.bfloat16, n)
+    return ar.slices_for(num_elements, jnp.bfloat16, n)
 
 
 def command(
