@@ -231,6 +231,7 @@ def _chunks(k: int, rows: int, block: int, scale_dtype: str, seed: int = 0) -> n
         (3, 12, 16, 64, "float32"),
         (2, 8, 64, 64, "float32"),
         (2, 12, 8, 32, "bfloat16"),
+        (2, 16, 8, 64, "float32"),  # group 64 of blocks under a vector register: the plain loop
         (1, 4, 64, 128, "float32"),
     ],
 )

@@ -410,13 +410,19 @@ ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
 
 using EachFn = void (*)(const Chunks&, uint16_t*, int64_t);
 
-EachFn EachFor(int64_t group) {
+// The loop for groups of `group` elements made of rows of `block` (block divides group).
+EachFn EachFor(int64_t group, int64_t block) {
   switch (group) {
     case 2: return EachGroups<2>;
     case 4: return EachGroups<4>;
     case 8: return EachGroups<8>;
     case 16: return EachGroups<16>;
     case 32: return EachGroups<32>;
+#if defined(__AVX512F__)
+    case 64: return block >= 16 ? EachGroups64Avx512 : EachGroups<64>;  // a register, one row
+#else
+    case 64: return EachGroups<64>;
+#endif
     case 128: return EachGroups<128>;
     case 256: return EachGroups<256>;
     default: return nullptr;
@@ -426,19 +432,12 @@ EachFn EachFor(int64_t group) {
 ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
                             int64_t block, int64_t group, int64_t scale_bytes) {
   auto dims = packed.dimensions();
-  EachFn each = nullptr;
-#if defined(__AVX512F__)
-  if (group == 64 && block >= 16) each = EachGroups64Avx512;
-#else
-  if (group == 64) each = EachGroups<64>;
-#endif
-  if (group != 64) each = group <= kMaxBlock ? EachFor(group) : nullptr;
   const bool blocks_fit = block >= 1 && group % block == 0 && !(block & (block - 1));
-  if (each == nullptr || !blocks_fit || (scale_bytes != 2 && scale_bytes != 4)) {
+  EachFn each = blocks_fit && group <= kMaxBlock ? EachFor(group, block) : nullptr;
+  if (each == nullptr || (scale_bytes != 2 && scale_bytes != 4)) {
     return ffi::Error::InvalidArgument(
         "decode_rotate_each: want a power-of-two group of 2 to 256 elements made of whole "
-        "power-of-two blocks (AVX-512 builds: blocks of 16 or more at group 64), scales of 2 "
-        "or 4 bytes");
+        "power-of-two blocks, scales of 2 or 4 bytes");
   }
   const int64_t per_row = block + scale_bytes;
   if (dims.size() != 2 || dims[0] < 1 || dims[1] % per_row != 0 ||

@@ -83,10 +83,17 @@ def pack(codes: jax.Array, scales: jax.Array) -> jax.Array:
 def unpack(packed: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
     """`pack`'s inverse: packed u8 [K, M * (B + 4)] -> (codes int8 [K, M, B], scales f32 [K, M])."""
     _check_packed(packed, block)
-    k, m = packed.shape[0], packed.shape[1] // (block + 4)
+    return _split(packed, packed.shape[1] // (block + 4), block, "float32")
+
+
+def _split(packed: jax.Array, m: int, block: int, scale_dtype: str) -> tuple[jax.Array, jax.Array]:
+    """Packed u8 [K, M * (B + S)] (checked) -> (codes int8 [K, M, B], scales f32 [K, M]), S the
+    bytes of a `scale_dtype` scale."""
+    k, scale_bytes = packed.shape[0], _SCALE_BYTES[scale_dtype]
     codes = lax.bitcast_convert_type(packed[:, : m * block], jnp.int8).reshape(k, m, block)
-    raw_scales = packed[:, m * block :].reshape(k, m, 4)
-    return codes, lax.bitcast_convert_type(raw_scales, jnp.float32)
+    raw_scales = packed[:, m * block :].reshape(k, m, scale_bytes)
+    scales = lax.bitcast_convert_type(raw_scales, jnp.dtype(scale_dtype))
+    return codes, scales.astype(jnp.float32)
 
 
 def _check_block(block: int) -> None:
@@ -169,9 +176,7 @@ def decode_rotate_each_reference(
     """packed u8 [K, M * (B + S)], K payloads of different chunks -> bf16 [K, M, B]: each
     decoded on its own and rotated back in groups of `group` elements, as jnp ops."""
     k, m = _each_rows(packed, block, group, scale_dtype)
-    codes = lax.bitcast_convert_type(packed[:, : m * block], jnp.int8).reshape(k, m, block)
-    raw = packed[:, m * block :].reshape(k, m, _SCALE_BYTES[scale_dtype])
-    scales = lax.bitcast_convert_type(raw, jnp.dtype(scale_dtype)).astype(jnp.float32)
+    codes, scales = _split(packed, m, block, scale_dtype)
     decoded = jnp.where(
         codes == NONFINITE_CODE, jnp.nan, codes.astype(jnp.float32) * scales[..., None]
     )
