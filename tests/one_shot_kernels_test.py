@@ -202,16 +202,106 @@ def test_with_the_kernels_the_all_reduce_matches_the_xla_ops_within_one_rounding
     assert np.mean(got != want) < differ
 
 
-def test_without_a_rotation_the_kernels_give_the_xla_ops_bits():
-    """Quantize and decode are the reference's arithmetic on both paths, with nothing between."""
+@pytest.mark.parametrize(("shape", "slice_bytes"), [((96, 640), 0), ((97, 641), 9_000)])
+def test_without_a_rotation_the_kernels_give_the_xla_ops_bits(shape, slice_bytes):
+    """Quantize and decode are the reference's arithmetic on both paths, with nothing between;
+    also in slices read from and written to the message in place, the last one padded."""
     n = 2
-    x = np.random.default_rng(3).standard_normal((n, 96, 640)).astype(jnp.bfloat16)
+    x = np.random.default_rng(3).standard_normal((n, *shape)).astype(jnp.bfloat16)
     x[0, 3, 7], x[1, 5, 9] = np.nan, np.inf  # the non-finite code too
-    fast = get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None)
-    slow = get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None, kernel="jnp")
+    options = dict(min_size_bytes=0, rotation=None, slice_bytes=slice_bytes)
+    fast = get_all_reduce("equarx-int8", **options)
+    slow = get_all_reduce("equarx-int8", **options, kernel="jnp")
+    if slice_bytes:
+        assert fast.for_axis_size(n).slices_for(x[0].size, jnp.bfloat16, n) > 2
     np.testing.assert_array_equal(
         run_all_reduce(fast, x, n).view(np.uint16), run_all_reduce(slow, x, n).view(np.uint16)
     )
+
+
+# --- slices of a message, read and written in place --------------------------------------------
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+@pytest.mark.parametrize(
+    ("start", "rows"),
+    [(0, 15), (64, 5), (896, 3), (960, 1), (960, 4), (1000, 2), (1024, 3)],
+)  # whole rows, a row cut by the end of x, rows of zeros past it, a start past it
+def test_quantizing_rows_of_a_message_gives_the_padded_rows_bits(start, rows, hadamard):
+    rng = np.random.default_rng(start + rows)
+    flat = rng.standard_normal(1000) * 10.0 ** rng.integers(-20, 20, 1000)
+    flat[[3, 970]] = np.nan, np.inf
+    x = jnp.asarray(flat.reshape(8, 125), jnp.bfloat16)  # read flat, whatever its shape
+    padded = jnp.pad(x.reshape(-1), (0, 64 * 64))[start : start + rows * 64].reshape(rows, 64)
+    quantize = jax.jit(
+        lambda v: one_shot.rotate_quantize_rows(
+            v, block=64, start=start, rows=rows, hadamard=hadamard
+        )
+    )
+    assert "custom_call" in quantize.lower(x).as_text()
+    want = one_shot.rotate_quantize_reference(padded, hadamard=hadamard)
+    np.testing.assert_array_equal(np.asarray(quantize(x)), np.asarray(want))
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+@pytest.mark.parametrize(("start", "rows"), [(0, 4), (128, 3), (960, 1), (960, 2), (1024, 2)])
+def test_decoding_into_a_message_writes_its_range_and_nothing_else(start, rows, fresh):
+    packed = one_shot.pack(*_payloads(2, rows, 64, seed=start))
+    before = jnp.asarray(np.random.default_rng(1).standard_normal((8, 125)), jnp.bfloat16)
+    into = jax.ShapeDtypeStruct(before.shape, before.dtype) if fresh else before
+    decode = jax.jit(
+        lambda p, out: one_shot.dequantize_rotate_into(
+            into if fresh else out, p, block=64, start=start, hadamard=True
+        )
+    )
+    got = _bits(decode(packed, before)).reshape(-1)
+    values = _bits(one_shot.dequantize_rotate_reference(packed, block=64, hadamard=True))
+    end = min(1000, start + rows * 64)
+    np.testing.assert_array_equal(got[start:end], values.reshape(-1)[: max(0, end - start)])
+    if not fresh:  # the rest of the buffer is kept; a fresh one's rest is unset
+        kept = np.ones(1000, bool)
+        kept[start:end] = False
+        np.testing.assert_array_equal(got[kept], _bits(before).reshape(-1)[kept])
+
+
+def test_decoding_into_a_message_is_the_reference_where_the_kernel_is_off(monkeypatch):
+    packed = one_shot.pack(*_payloads(1, 2, 64))
+    before = jnp.ones(200, jnp.bfloat16)
+    decode = jax.jit(
+        lambda p, out: one_shot.dequantize_rotate_into(out, p, block=64, start=100, hadamard=False)
+    )
+    want = _bits(decode(packed, before))
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    decode = jax.jit(
+        lambda p, out: one_shot.dequantize_rotate_into(out, p, block=64, start=100, hadamard=False)
+    )
+    assert "custom_call" not in decode.lower(packed, before).as_text()
+    np.testing.assert_array_equal(_bits(decode(packed, before)), want)
+
+
+_QUANTIZE_ROWS = dict(x=jnp.zeros(300, jnp.bfloat16), block=64, start=0, rows=1, hadamard=True)
+_DECODE_INTO = dict(
+    out=jnp.zeros(300, jnp.bfloat16), packed=jnp.zeros((2, 68), jnp.uint8), block=64, start=0,
+    hadamard=True,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("function", "defaults", "bad", "match"),
+    [
+        (one_shot.rotate_quantize_rows, _QUANTIZE_ROWS, dict(start=-1), "start"),
+        (one_shot.rotate_quantize_rows, _QUANTIZE_ROWS, dict(rows=0), "rows"),
+        (one_shot.rotate_quantize_rows, _QUANTIZE_ROWS, dict(block=48), "power of two"),
+        (one_shot.rotate_quantize_rows, _QUANTIZE_ROWS, dict(x=jnp.zeros(9, jnp.float32)), "bf16"),
+        (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(start=-64), "start"),
+        (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(out=jnp.zeros(9)), "bf16"),
+        (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(packed=jnp.zeros((2, 67), jnp.uint8)),
+         "whole rows"),
+    ],
+)  # fmt: skip
+def test_slices_of_a_message_reject_bad_input_clearly(function, defaults, bad, match):
+    with pytest.raises(ValueError, match=match):
+        function(**{**defaults, **bad})
 
 
 # --- two-shot's last step: each chunk decoded and rotated back ---------------------------------

@@ -482,12 +482,13 @@ class EquarxInt8(RingAllReduce):
         """The native kernels for one lane: rotate the input first only if `rotate_input`;
         rotate the sum back whenever this all-reduce has a rotation."""
         rotated = self.input_rotation is not None
+        block = self.block_size
         return PackedOneShot(
-            encode=lambda lane: one_shot.rotate_quantize(
-                lane.reshape(-1, self.block_size), hadamard=rotate_input and rotated
+            encode=lambda flat, start, rows: one_shot.rotate_quantize_rows(
+                flat, block=block, start=start, rows=rows, hadamard=rotate_input and rotated
             ),
-            combine=lambda gathered: one_shot.dequantize_rotate(
-                gathered, block=self.block_size, hadamard=rotated
+            combine=lambda out, gathered, start: one_shot.dequantize_rotate_into(
+                out, gathered, block=block, start=start, hadamard=rotated
             ),
         )
 

@@ -9,6 +9,10 @@
 //                 not finite
 //   out         = codes int8 [M, B] then scale f32 [M], as bytes u8 [M * (B + 4)]
 //
+// x is read flat: rows m = 0 .. M-1 are its elements start + m B .. start + (m + 1) B - 1
+// (attribute `start`), zeros past its end, so a slice of a message, its padding included, is
+// encoded straight from the message (no copy of the slice).
+//
 // the same arithmetic as block_quantize's jnp quantizer on the rotated values, so the codes are
 // its codes for the same r (r itself is the FWHT's, see below, not XLA's dense product's).
 // Cost: 2 M B bytes read, M (B + 4) written; log2(B) adds, a multiply and a round an element.
@@ -19,8 +23,10 @@
 //   out[m, :] = bf16(H_B v[m, :] / sqrt(B))                 (hadamard = 1; else bf16(v[m, :]))
 //
 // The K payloads arrive as all-gathered bytes, packed [K, M * B + 4 * M] u8: payload k is its
-// codes int8 [M, B] then its scales f32 [M] (native byte order). out bf16 [M, B]; B (attribute
-// `block`) a power of two from 2 to 256. The
+// codes int8 [M, B] then its scales f32 [M] (native byte order). B (attribute `block`) a power
+// of two from 2 to 256. out bf16 is read flat: row m goes to its elements start + m B .. (those
+// past its end dropped), the rest of out is not written; DequantizeRotateInto takes out as an
+// operand that XLA aliases to the result, so a message's slices fill one buffer. The
 // non-finite code (-128) decodes to NaN, and a NaN in a row makes the whole rotated row NaN, as
 // the dense product by H does. H_B v / sqrt(B) is the fast Walsh-Hadamard transform: log2(B)
 // stages of sums and differences of pairs (stride B/2 first), each value rounded once a stage,
@@ -32,6 +38,7 @@
 // adds and log2(B) adds. One pass over the data, a row at a time in a stack array: memory-bound
 // (XLA:CPU's dense [B, B] product by H costs B multiply-adds an element instead of log2(B)).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -93,26 +100,28 @@ inline void Fwht(float* v) {
   }
 }
 
-// Payload p of `packed` (p * stride bytes in): its codes, then its scales at m * B bytes in.
+// Payload p of `packed` (p * stride bytes in): its codes, then its scales at m * B bytes in;
+// row 0 of the view is the payloads' row `first`.
 struct Payloads {
   const uint8_t* packed;
-  int64_t stride, m, block;
+  int64_t stride, m, block, first = 0;
   const int8_t* Codes(int64_t p, int64_t row) const {
-    return reinterpret_cast<const int8_t*>(packed + p * stride + row * block);
+    return reinterpret_cast<const int8_t*>(packed + p * stride + (first + row) * block);
   }
   float Scale(int64_t p, int64_t row) const {
     float scale;  // the scales may sit at any byte offset
-    std::memcpy(&scale, packed + p * stride + m * block + row * sizeof(float), sizeof(scale));
+    const int64_t at = p * stride + m * block + (first + row) * sizeof(float);
+    std::memcpy(&scale, packed + at, sizeof(scale));
     return scale;
   }
 };
 
+// Rows 0 .. rows - 1 of the view `in`, written to out[row * B ..].
 template <int64_t B>
-void Rows(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
-  const int64_t m = in.m;
+void Rows(const Payloads& in, uint16_t* out, int64_t k, bool hadamard, int64_t rows) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   alignas(64) float v[B];
-  for (int64_t row = 0; row < m; ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
     for (int64_t e = 0; e < B; ++e) v[e] = 0.0f;
     for (int64_t p = 0; p < k; ++p) {
       const int8_t* q = in.Codes(p, row);
@@ -234,12 +243,11 @@ struct InLane {
   }
 };
 
-void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard) {
-  const int64_t m = in.m;
+void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard, int64_t rows) {
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   const __m512 halve = _mm512_set1_ps(0.5f);
   const InLane lanes;
-  for (int64_t row = 0; row < m; ++row) {
+  for (int64_t row = 0; row < rows; ++row) {
     __m512 v[4];
     for (int64_t p = 0; p < k; ++p) {
       const int8_t* q = in.Codes(p, row);
@@ -303,19 +311,21 @@ inline void QuantizeRow(const float* r, int8_t* codes, uint8_t* scale_bytes) {
   std::memcpy(scale_bytes, &scale, sizeof(scale));
 }
 
+// Rows 0 .. m - 1 of x -> their codes at codes[row * B ..] and scales at scales[row * 4 ..].
 template <int64_t B>
-void QuantizeRows(const uint16_t* x, uint8_t* out, int64_t m, bool hadamard) {
+void QuantizeRows(const uint16_t* x, uint8_t* codes, uint8_t* scales, int64_t m, bool hadamard) {
   alignas(64) float r[B];
   for (int64_t row = 0; row < m; ++row) {
     for (int64_t e = 0; e < B; ++e) r[e] = Bf16ToF32(x[row * B + e]);
     if (hadamard) Fwht<B>(r);
-    QuantizeRow<B>(r, reinterpret_cast<int8_t*>(out + row * B), out + m * B + row * 4);
+    QuantizeRow<B>(r, reinterpret_cast<int8_t*>(codes + row * B), scales + row * 4);
   }
 }
 
 #if defined(__AVX512F__)
 // QuantizeRows<64> with AVX-512, the same arithmetic: a row in four registers.
-void QuantizeRows64Avx512(const uint16_t* x, uint8_t* out, int64_t m, bool hadamard) {
+void QuantizeRows64Avx512(const uint16_t* x, uint8_t* out_codes, uint8_t* scales, int64_t m,
+                          bool hadamard) {
   const InLane lanes;
   const __m512 halve = _mm512_set1_ps(0.5f);
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
@@ -337,7 +347,7 @@ void QuantizeRows64Avx512(const uint16_t* x, uint8_t* out, int64_t m, bool hadam
     const float scale = std::fmax(_mm512_reduce_max_ps(absmax) * (1.0f / kInt8Max),
                                   std::numeric_limits<float>::min());
     const __m512 inverse = _mm512_set1_ps(1.0f / scale);
-    int8_t* codes = reinterpret_cast<int8_t*>(out + row * 64);
+    int8_t* codes = reinterpret_cast<int8_t*>(out_codes + row * 64);
     for (int r = 0; r < 4; ++r) {
       __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[r], inverse),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -346,12 +356,12 @@ void QuantizeRows64Avx512(const uint16_t* x, uint8_t* out, int64_t m, bool hadam
           finite[r], _mm512_set1_epi32(kNonFiniteCode), _mm512_cvtps_epi32(q));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * r), _mm512_cvtepi32_epi8(ints));
     }
-    std::memcpy(out + m * 64 + row * 4, &scale, sizeof(scale));
+    std::memcpy(scales + row * 4, &scale, sizeof(scale));
   }
 }
 #endif
 
-using QuantizeFn = void (*)(const uint16_t*, uint8_t*, int64_t, bool);
+using QuantizeFn = void (*)(const uint16_t*, uint8_t*, uint8_t*, int64_t, bool);
 
 QuantizeFn QuantizeFor(int64_t block) {
   switch (block) {
@@ -371,7 +381,7 @@ QuantizeFn QuantizeFor(int64_t block) {
   }
 }
 
-using RowsFn = void (*)(const Payloads&, uint16_t*, int64_t, bool);
+using RowsFn = void (*)(const Payloads&, uint16_t*, int64_t, bool, int64_t);
 
 RowsFn RowsFor(int64_t block) {
   switch (block) {
@@ -391,8 +401,11 @@ RowsFn RowsFor(int64_t block) {
   }
 }
 
-ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
-                            int64_t block, int64_t hadamard) {
+// The payloads' M rows of B elements are elements start .. start + M B - 1 of out (`size`
+// elements): the rows up to out's end are written, the elements past it dropped (the message's
+// padding); nothing else of out is touched.
+ffi::Error DequantizeRotateAt(ffi::Buffer<ffi::U8> packed, uint16_t* out, int64_t size,
+                              int64_t block, int64_t hadamard, int64_t start) {
   auto dims = packed.dimensions();
   RowsFn rows = block <= kMaxBlock ? RowsFor(block) : nullptr;
   if (rows == nullptr) {
@@ -403,9 +416,39 @@ ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
     return ffi::Error::InvalidArgument(
         "dequantize_rotate: want packed payloads [K, M * (block + 4)] bytes, K >= 1");
   }
-  const Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block};
-  rows(in, reinterpret_cast<uint16_t*>(out->typed_data()), dims[0], hadamard != 0);
+  if (start < 0) return ffi::Error::InvalidArgument("dequantize_rotate: want start >= 0");
+  Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block};
+  const int64_t count = std::max<int64_t>(0, std::min(in.m * block, size - start));
+  if (count == 0) return ffi::Error::Success();
+  rows(in, out + start, dims[0], hadamard != 0, count / block);
+  if (count % block != 0) {  // the last row is cut by the output's end
+    alignas(64) uint16_t row[kMaxBlock];
+    in.first = count / block;
+    rows(in, row, dims[0], hadamard != 0, 1);
+    std::memcpy(out + start + count / block * block, row, (count % block) * sizeof(uint16_t));
+  }
   return ffi::Error::Success();
+}
+
+ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
+                            int64_t block, int64_t hadamard, int64_t start) {
+  return DequantizeRotateAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
+                            static_cast<int64_t>(out->element_count()), block, hadamard, start);
+}
+
+// DequantizeRotate into `into`, which XLA aliases to the result (input_output_aliases): the
+// other elements keep into's values, so a message's slices fill one buffer without copies.
+ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF16> into,
+                                ffi::ResultBuffer<ffi::BF16> out, int64_t block,
+                                int64_t hadamard, int64_t start) {
+  if (into.element_count() != out->element_count()) {
+    return ffi::Error::InvalidArgument("dequantize_rotate: into and out differ in size");
+  }
+  if (into.untyped_data() != out->untyped_data()) {  // not aliased: keep the semantics
+    std::memcpy(out->untyped_data(), into.untyped_data(), into.size_bytes());
+  }
+  return DequantizeRotateAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
+                            static_cast<int64_t>(out->element_count()), block, hadamard, start);
 }
 
 using EachFn = void (*)(const Chunks&, uint16_t*, int64_t);
@@ -451,16 +494,33 @@ ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
   return ffi::Error::Success();
 }
 
+// Rows of `block` elements of x (any shape, `size` elements, read flat) from element `start`
+// on, as many as out holds (M = out's bytes / (block + 4)); elements past x's end are zeros
+// (the message's padding), so the payload is that of the zero-padded rows.
 ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> out,
-                          int64_t hadamard) {
-  auto dims = x.dimensions();
-  QuantizeFn rows = dims.size() == 2 && dims[1] <= kMaxBlock ? QuantizeFor(dims[1]) : nullptr;
-  if (rows == nullptr) {
+                          int64_t block, int64_t hadamard, int64_t start) {
+  QuantizeFn quantize = block <= kMaxBlock ? QuantizeFor(block) : nullptr;
+  const int64_t per_row = block + static_cast<int64_t>(sizeof(float));
+  const int64_t size = static_cast<int64_t>(x.element_count());
+  if (quantize == nullptr || out->element_count() % per_row != 0) {
     return ffi::Error::InvalidArgument(
-        "rotate_quantize: want x [M, B] with B a power of two, 2 to 256");
+        "rotate_quantize: want a power-of-two block of 2 to 256 and out [M * (block + 4)] bytes");
   }
-  rows(reinterpret_cast<const uint16_t*>(x.typed_data()), out->typed_data(), dims[0],
-       hadamard != 0);
+  if (start < 0) return ffi::Error::InvalidArgument("rotate_quantize: want start >= 0");
+  const int64_t m = static_cast<int64_t>(out->element_count()) / per_row;
+  const auto* x_flat = reinterpret_cast<const uint16_t*>(x.typed_data());
+  uint8_t* codes = out->typed_data();
+  uint8_t* scales = codes + m * block;
+  const int64_t whole = std::clamp<int64_t>((size - start) / block, 0, m);  // rows inside x
+  if (whole > 0) quantize(x_flat + start, codes, scales, whole, hadamard != 0);
+  alignas(64) uint16_t row[kMaxBlock];
+  for (int64_t r = whole; r < m; ++r) {  // the row x's end cuts, then rows of zeros
+    const int64_t first = start + r * block;
+    const int64_t inside = std::clamp<int64_t>(size - first, 0, block);
+    std::memset(row, 0, sizeof(row));
+    if (inside > 0) std::memcpy(row, x_flat + first, inside * sizeof(uint16_t));
+    quantize(row, codes + r * block, scales + r * 4, 1, hadamard != 0);
+  }
   return ffi::Error::Success();
 }
 
@@ -481,7 +541,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxRotateQuantize, RotateQuantize,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
-                                  .Attr<int64_t>("hadamard"));
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("hadamard")
+                                  .Attr<int64_t>("start"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEach, DecodeRotateEach,
                               ffi::Ffi::Bind()
@@ -496,4 +558,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotate, DequantizeRotate,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block")
-                                  .Attr<int64_t>("hadamard"));
+                                  .Attr<int64_t>("hadamard")
+                                  .Attr<int64_t>("start"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotateInto, DequantizeRotateInto,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("hadamard")
+                                  .Attr<int64_t>("start"));

@@ -9,6 +9,11 @@ decoded and rotated back).
     # gathered u8 [K, M * (B + 4)], K such payloads -> bf16 [M, B]:
     # out[m] = bf16(H_B (sum_k scales[k, m] * codes[k, m]) / sqrt(B))
 
+    # The same on a slice of a message, in place: rows of B elements from element `start` of
+    # the flat message (zeros past its end), decoded into the flat output from `start` on.
+    packed = one_shot.rotate_quantize_rows(message, block=B, start=start, rows=M, hadamard=True)
+    out = one_shot.dequantize_rotate_into(out, gathered, block=B, start=start, hadamard=True)
+
 In a one-shot all-reduce every device quantizes its whole message once, all-gathers the N
 payloads and turns them into its output. As XLA ops on CPU that is a dense [B, B] product by H
 (B multiply-adds an element) before quantizing and after the sum, and copies to pack the codes
@@ -48,11 +53,13 @@ __all__ = [
     "decode_rotate_each_reference",
     "decodes_each",
     "dequantize_rotate",
+    "dequantize_rotate_into",
     "dequantize_rotate_reference",
     "pack",
     "pays",
     "rotate_quantize",
     "rotate_quantize_reference",
+    "rotate_quantize_rows",
     "unpack",
     "vectorized",
 ]
@@ -62,6 +69,9 @@ _SOURCE = Path(__file__).with_suffix(".cc")
 _FLAGS = ("-ffp-contract=off",)  # no fused multiply-adds: the references' bits
 DEQUANTIZE = NativeKernel(
     _SOURCE, "EquarxDequantizeRotate", "equarx_dequantize_rotate", "XLA's ops", _FLAGS
+)
+DEQUANTIZE_INTO = NativeKernel(
+    _SOURCE, "EquarxDequantizeRotateInto", "equarx_dequantize_rotate_into", "XLA's ops", _FLAGS
 )
 QUANTIZE = NativeKernel(
     _SOURCE, "EquarxRotateQuantize", "equarx_rotate_quantize", "XLA's ops", _FLAGS
@@ -229,28 +239,55 @@ def vectorized() -> bool:
 
 
 def _call(
-    kernel: NativeKernel, operand: jax.Array, out: jax.ShapeDtypeStruct, **attrs
+    kernel: NativeKernel,
+    *operands: jax.Array,
+    out: jax.ShapeDtypeStruct,
+    aliases: dict[int, int] | None = None,
+    **attrs,
 ) -> jax.Array:
-    result = jax.ffi.ffi_call(kernel.target, out)(operand, **attrs)
-    # Inside shard_map the result varies over the mesh axes its operand varies over.
-    varying = tuple(jax.typeof(operand).mat.varying)
-    return lax.pcast(result, varying, to="varying") if varying else result
+    call = jax.ffi.ffi_call(kernel.target, out, input_output_aliases=aliases)
+    # Inside shard_map the result varies over the mesh axes its operands vary over.
+    varying = set().union(*(jax.typeof(a).mat.varying for a in operands))
+    result = call(*(_vary(a, varying) for a in operands), **attrs)
+    return _vary(result, varying)
 
 
-def _native_or(reference, kernel: NativeKernel, native, operand: jax.Array) -> jax.Array:
+def _vary(a: jax.Array, axes: set) -> jax.Array:
+    """a, marked as varying over `axes` (inside shard_map) where it does not already."""
+    missing = tuple(sorted(axes - set(jax.typeof(a).mat.varying)))
+    return lax.pcast(a, missing, to="varying") if missing else a
+
+
+def _native_or(reference, kernel: NativeKernel, native, *operands: jax.Array) -> jax.Array:
     """`native` on CPU where the kernel is available, else `reference`."""
     if not kernel.available():
-        return reference(operand)
-    return lax.platform_dependent(operand, cpu=native, default=reference)
+        return reference(*operands)
+    return lax.platform_dependent(*operands, cpu=native, default=reference)
 
 
 def rotate_quantize(x: jax.Array, *, hadamard: bool) -> jax.Array:
     """x bf16 [M, B] -> packed u8 [M * (B + 4)]: the kernel on CPU where it is available, else
     `rotate_quantize_reference` (the same bits)."""
     _check_rows(x)
-    out = jax.ShapeDtypeStruct((x.shape[0] * (x.shape[1] + 4),), jnp.uint8)
-    native = functools.partial(_call, QUANTIZE, out=out, hadamard=np.int64(hadamard))
-    reference = functools.partial(rotate_quantize_reference, hadamard=hadamard)
+    return rotate_quantize_rows(x, block=x.shape[1], start=0, rows=x.shape[0], hadamard=hadamard)
+
+
+def rotate_quantize_rows(
+    x: jax.Array, *, block: int, start: int, rows: int, hadamard: bool
+) -> jax.Array:
+    """`rotate_quantize` of `rows` rows of `block` elements of x (bf16, any shape, read flat)
+    from element `start` on, zeros past x's end: a slice of a message (and its padding) encoded
+    straight from the message, with no copy of the slice. -> packed u8 [rows * (block + 4)]."""
+    _check_slice(x, block, start, rows)
+    out = jax.ShapeDtypeStruct((rows * (block + 4),), jnp.uint8)
+    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard), start=np.int64(start))
+    native = functools.partial(_call, QUANTIZE, out=out, **attrs)
+
+    def reference(x: jax.Array) -> jax.Array:
+        flat = x.reshape(-1)[start : start + rows * block]
+        padded = jnp.pad(flat, (0, rows * block - flat.size)).reshape(rows, block)
+        return rotate_quantize_reference(padded, hadamard=hadamard)
+
     return _native_or(reference, QUANTIZE, native, x)
 
 
@@ -259,7 +296,56 @@ def dequantize_rotate(packed: jax.Array, *, block: int, hadamard: bool) -> jax.A
     `dequantize_rotate_reference` (the same bits)."""
     _check_packed(packed, block)
     out = jax.ShapeDtypeStruct((packed.shape[1] // (block + 4), block), jnp.bfloat16)
-    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard))
+    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard), start=np.int64(0))
     native = functools.partial(_call, DEQUANTIZE, out=out, **attrs)
     reference = functools.partial(dequantize_rotate_reference, block=block, hadamard=hadamard)
     return _native_or(reference, DEQUANTIZE, native, packed)
+
+
+def dequantize_rotate_into(
+    out: jax.Array | jax.ShapeDtypeStruct,
+    packed: jax.Array,
+    *,
+    block: int,
+    start: int,
+    hadamard: bool,
+) -> jax.Array:
+    """out (bf16, any shape, `size` elements) with its elements start .. start + M B - 1 (read
+    flat; those past its end dropped) replaced by `dequantize_rotate(packed)`: a slice of a
+    message decoded straight into the message's buffer (XLA aliases out to the result, so no
+    copy of either). `out` a ShapeDtypeStruct: a new buffer of that shape whose other elements
+    are left unset (zeros without the kernel), for the first of the slices that fill it (a
+    64 MiB buffer zeroed first costs ~30 ms on 2 processes here)."""
+    _check_packed(packed, block)
+    if out.dtype != jnp.bfloat16:
+        raise ValueError(f"want out bf16, got {out.dtype}")
+    _check_start(start)
+    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard), start=np.int64(start))
+    result = jax.ShapeDtypeStruct(out.shape, jnp.bfloat16)
+
+    def reference(packed: jax.Array, out: jax.Array) -> jax.Array:
+        flat = out.reshape(-1)
+        values = dequantize_rotate_reference(packed, block=block, hadamard=hadamard).reshape(-1)
+        count = max(0, min(values.size, flat.size - start))
+        return flat.at[start : start + count].set(values[:count]).reshape(out.shape)
+
+    if isinstance(out, jax.ShapeDtypeStruct):
+        native = functools.partial(_call, DEQUANTIZE, out=result, **attrs)
+        fresh = lambda packed: reference(packed, jnp.zeros(out.shape, out.dtype))
+        return _native_or(fresh, DEQUANTIZE, native, packed)
+    native = functools.partial(_call, DEQUANTIZE_INTO, out=result, aliases={1: 0}, **attrs)
+    return _native_or(reference, DEQUANTIZE_INTO, native, packed, out)
+
+
+def _check_start(start: int) -> None:
+    if not isinstance(start, int) or start < 0:
+        raise ValueError(f"start must be an int >= 0, got {start!r}")
+
+
+def _check_slice(x: jax.Array, block: int, start: int, rows: int) -> None:
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"want x bf16, got {x.dtype}")
+    _check_block(block)
+    _check_start(start)
+    if not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
