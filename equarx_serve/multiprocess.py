@@ -6,6 +6,7 @@ own id; on CPU the cross-process collectives go through gloo (a real transport).
 flags to each, and collects their output; when one fails, it stops the others and raises with
 the failing process's stderr. The processes run on 127.0.0.1, or on the emulated hosts of a
 `cluster.Cluster` (`hosts=`: network namespaces joined by shaped links).
+Every process gets `devices.with_huge_pages`' environment.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Protocol
 import jax
 
 from equarx_serve.collectives import transport
+from equarx_serve.devices import with_huge_pages
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
@@ -88,7 +90,7 @@ def run_local_processes(
     `hosts` (default: all on 127.0.0.1)."""
     hosts = hosts or Localhost()
     coordinator = hosts.coordinator()
-    child_env = {**os.environ, **(env or {})}
+    child_env = with_huge_pages({**os.environ, **(env or {})})
     # One device per process; the host-device-count flag is for single-process runs only.
     xla_flags = child_env.get("XLA_FLAGS", "").split()
     child_env["XLA_FLAGS"] = " ".join(

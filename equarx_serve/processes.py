@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from equarx_serve.bench import links
 from equarx_serve.cli_types import UsageError, argument_type, int_at_least, positive_seconds
-from equarx_serve.devices import DEVICE_COUNT_FLAG, set_host_device_count
+from equarx_serve.devices import DEVICE_COUNT_FLAG, set_host_device_count, with_huge_pages
 
 if TYPE_CHECKING:
     from equarx_serve.engine import PrefillEngine
@@ -319,7 +319,7 @@ def _launch(command: str, num_processes: int, placement: Placement) -> int:
     from equarx_serve.generation.replicated import TOKEN_ENV
 
     argv = _member_argv(command)
-    env = {**os.environ, TOKEN_ENV: secrets.token_hex(16)}
+    env = with_huge_pages({**os.environ, TOKEN_ENV: secrets.token_hex(16)})
     flags = env.get("XLA_FLAGS", "").split()
     env["XLA_FLAGS"] = " ".join(f for f in flags if not f.startswith(DEVICE_COUNT_FLAG))
     member = [*argv, "--coordinator", placement.coordinator, "--num-processes", str(num_processes)]

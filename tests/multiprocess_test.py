@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from equarx_serve import multiprocess
+from equarx_serve.devices import HUGE_PAGES_TUNABLE, with_huge_pages
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
 
@@ -50,6 +51,29 @@ def test_children_output_of_any_size_is_collected(tmp_path):
     command = _python(tmp_path, "import sys; sys.stdout.write('x' * 300_000)")
     outputs = multiprocess.run_local_processes(command, 2, timeout_s=30)
     assert [len(out.stdout) for out in outputs] == [300_000, 300_000]
+
+
+def test_children_run_with_huge_pages_for_malloc_and_keep_the_callers_tunables(tmp_path):
+    command = _python(tmp_path, "import os; print(os.environ['GLIBC_TUNABLES'])")
+    env = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    outputs = multiprocess.run_local_processes(command, 2, timeout_s=30, env=env)
+    assert {out.stdout.strip() for out in outputs} == {
+        f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}"
+    }
+
+
+@pytest.mark.parametrize(
+    ("given", "want"),
+    [
+        (None, HUGE_PAGES_TUNABLE),
+        ("", HUGE_PAGES_TUNABLE),
+        ("glibc.malloc.hugetlb=0", "glibc.malloc.hugetlb=0"),  # the caller's choice stands
+        ("a=1:b=2", f"a=1:b=2:{HUGE_PAGES_TUNABLE}"),
+    ],
+)
+def test_huge_pages_are_added_to_the_tunables_unless_they_say_otherwise(given, want):
+    env = {"PATH": "/bin"} if given is None else {"PATH": "/bin", "GLIBC_TUNABLES": given}
+    assert with_huge_pages(env) == {"PATH": "/bin", "GLIBC_TUNABLES": want}
 
 
 def test_a_failing_process_fails_the_run_with_its_stderr(tmp_path):

@@ -50,6 +50,7 @@ from equarx_serve.bench import links
 from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
+from equarx_serve.devices import with_huge_pages
 
 if TYPE_CHECKING:
     from equarx_serve.multiprocess import Hosts
@@ -155,7 +156,10 @@ def _run_worker(
             command, n, timeout_s=WORKER_TIMEOUT_S, hosts=hosts
         )
         return allreduce_worker.parse_result(outputs[0].stdout)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S)
+    env = with_huge_pages(os.environ)
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=WORKER_TIMEOUT_S, env=env
+    )
     if done.returncode != 0:
         raise RuntimeError(
             f"{' '.join(command[:3])} exited with {done.returncode}:\n{done.stderr[-4000:]}"
