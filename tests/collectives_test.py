@@ -703,6 +703,20 @@ def test_the_gate_passes_messages_of_exactly_min_size_bytes():
     assert ALL_REDUCE.search(lower_all_reduce(above_limit, x, n))
 
 
+COLLECTIVE_PERMUTE = re.compile(r"\bcollective-permute(-start)?\(")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "hops"), [("two-shot", 3), ("ring", 6)]
+)  # N - 1 shifts; the ring: N - 1 hops of reduce-scatter, N - 1 of all-gather
+def test_a_payload_of_codes_and_scales_travels_in_one_collective_permute(schedule, hops):
+    """One collective a hop, not one an array: on a slow link each costs a fixed overhead."""
+    n = 4
+    x = llm_activations(n, 16, 1024, seed=6).astype(jnp.bfloat16)
+    ar = equarx(schedule=schedule)
+    assert len(COLLECTIVE_PERMUTE.findall(lower_all_reduce(ar, x, n))) == hops
+
+
 # --- slices by size ---------------------------------------------------------------------------
 
 ALL_GATHER = re.compile(r"\ball-gather(-start)?\(")

@@ -207,7 +207,7 @@ def pipelined_all_reduce(
             for step in range(1, n):
                 for key in keys:
                     dr = direction[key]
-                    received = lax.ppermute(payload[key], axis_name, _shift_perm(n, dr))
+                    received = ppermute_payload(payload[key], axis_name, _shift_perm(n, dr))
                     local_chunk = take_chunk(values[key], (index - dr * step) % n)
                     payload[key] = codec.accumulate_encode(local_chunk, (received,))
             for key in keys:
@@ -220,7 +220,7 @@ def pipelined_all_reduce(
                     dr = direction[key]
                     outgoing = codec.encode_chunk(values[key], (index + dr * shift) % n)
                     received[key].append(
-                        lax.ppermute(outgoing, axis_name, _shift_perm(n, dr * shift))
+                        ppermute_payload(outgoing, axis_name, _shift_perm(n, dr * shift))
                     )
             for key in keys:
                 payload[key] = codec.accumulate_encode(
@@ -259,11 +259,34 @@ def _ring_all_gather(payload: Payload, owned: jax.Array, axis_name: str, directi
     n = lax.axis_size(axis_name)
     arrived = [payload]
     for _ in range(1, n):
-        arrived.append(lax.ppermute(arrived[-1], axis_name, _shift_perm(n, direction)))
+        arrived.append(ppermute_payload(arrived[-1], axis_name, _shift_perm(n, direction)))
     # The payload that arrived at step k is chunk owned - dir*k, so chunk p arrived at step
     # dir * (owned - p) mod N.
     arrival_step = direction * (owned - jnp.arange(n)) % n  # [N]
     return jax.tree.map(lambda *chunks: jnp.take(jnp.stack(chunks), arrival_step, axis=0), *arrived)
+
+
+def ppermute_payload(payload: Payload, axis_name: str, perm: list[tuple[int, int]]) -> Payload:
+    """`lax.ppermute` of a payload in ONE collective-permute: a payload of several arrays
+    travels bit-cast to bytes in one buffer (`pack_payload`), as in `all_gather_payload`."""
+    leaves, treedef = jax.tree.flatten(payload)
+    if len(leaves) == 1:
+        return jax.tree.unflatten(treedef, [lax.ppermute(leaves[0], axis_name, perm)])
+    moved = lax.ppermute(pack_payload(payload), axis_name, perm)
+    return jax.tree.unflatten(treedef, unpack_payload(moved, leaves))
+
+
+def unpack_payload(packed: jax.Array, like: list[jax.Array]) -> list[jax.Array]:
+    """`pack_payload`'s bytes [..., bytes] -> arrays [..., *shape] of the shapes and dtypes of
+    `like` (a payload's leaves), in order."""
+    lead, unpacked, offset = packed.shape[:-1], [], 0
+    for leaf in like:
+        itemsize = jnp.dtype(leaf.dtype).itemsize
+        part = packed[..., offset : offset + leaf.size * itemsize]
+        offset += leaf.size * itemsize
+        bytes_shape = (*lead, *leaf.shape) + ((itemsize,) if itemsize > 1 else ())
+        unpacked.append(lax.bitcast_convert_type(part.reshape(bytes_shape), leaf.dtype))
+    return unpacked
 
 
 def all_gather_payload(payload: Payload, axis_name: str) -> Payload:
@@ -275,14 +298,7 @@ def all_gather_payload(payload: Payload, axis_name: str) -> Payload:
     if len(leaves) == 1:
         return jax.tree.unflatten(treedef, [lax.all_gather(leaves[0], axis_name)])
     gathered = lax.all_gather(pack_payload(payload), axis_name)  # [N, bytes]
-    n, unpacked, offset = gathered.shape[0], [], 0
-    for leaf in leaves:
-        itemsize = jnp.dtype(leaf.dtype).itemsize
-        part = gathered[:, offset : offset + leaf.size * itemsize]
-        offset += leaf.size * itemsize
-        bytes_shape = (n, *leaf.shape) + ((itemsize,) if itemsize > 1 else ())
-        unpacked.append(lax.bitcast_convert_type(part.reshape(bytes_shape), leaf.dtype))
-    return jax.tree.unflatten(treedef, unpacked)
+    return jax.tree.unflatten(treedef, unpack_payload(gathered, leaves))
 
 
 def pack_payload(payload: Payload) -> jax.Array:
