@@ -395,3 +395,126 @@ def test_two_shot_equarx_decodes_with_the_kernel_only_where_it_applies():
     ):
         assert target not in lower_all_reduce(other, x, n), other
     assert target not in lower_all_reduce(default, x.astype(np.float32), n)  # f32 out
+
+
+# --- two-shot's reduce-scatter: every chunk encoded, the own chunk reduced ----------------------
+
+
+def _message(size: int, seed: int) -> jax.Array:
+    """bf16 values over many magnitudes, with NaN, Inf and a run of zeros."""
+    rng = np.random.default_rng(seed)
+    flat = rng.standard_t(3, size) * 10.0 ** rng.integers(-20, 20, size)
+    flat[[1, size // 2]], flat[size // 3 : size // 3 + 64] = (np.nan, -np.inf), 0.0
+    return jnp.asarray(flat, jnp.bfloat16)
+
+
+def _native_and_reference(monkeypatch, function, *args) -> tuple[np.ndarray, np.ndarray]:
+    """function(*args) through the kernel (checked to be a custom call), then as jnp ops."""
+    native_fn = jax.jit(function)
+    assert "custom_call" in native_fn.lower(*args).as_text()
+    got = np.asarray(native_fn(*args))
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    reference_fn = jax.jit(lambda *a: function(*a))
+    assert "custom_call" not in reference_fn.lower(*args).as_text()
+    return got, np.asarray(reference_fn(*args))
+
+
+@pytest.mark.parametrize(
+    ("block", "group", "scale_dtype", "hadamard", "chunks", "start", "rows"),
+    [
+        (32, 64, "bfloat16", True, 4, 0, 16),  # the N > 2 default
+        (32, 64, "bfloat16", False, 4, 256, 16),  # the model's form: no rotation here
+        (16, 64, "float32", True, 2, 64, 20),
+        (64, 64, "float32", True, 3, 3008, 2),  # the last chunks cut by x's end, then zeros
+        (8, 64, "bfloat16", True, 2, 0, 24),  # blocks under a vector register: the plain loop
+        (32, 128, "float32", True, 2, 128, 8),
+        (32, 32, "bfloat16", False, 1, 5000, 2),  # wholly past x's end
+    ],
+)
+def test_the_chunk_encoder_gives_the_references_bits(
+    monkeypatch, block, group, scale_dtype, hadamard, chunks, start, rows
+):
+    x = _message(3100, seed=rows)
+    args = dict(block=block, group=group, scale_dtype=scale_dtype, hadamard=hadamard)
+    encode = lambda v: one_shot.rotate_quantize_chunks(
+        v, start=start, rows=rows, chunks=chunks, **args
+    )
+    got, want = _native_and_reference(monkeypatch, encode, x)
+    assert got.shape == (chunks, rows * (block + (2 if scale_dtype == "bfloat16" else 4)))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_bfloat16_scales_are_rounded_up_so_that_no_code_clips():
+    """Every row's largest value keeps |code| <= 127 with the scale it travels with."""
+    x = _message(4096, seed=9)
+    packed = one_shot.rotate_quantize_chunks(
+        x, block=32, group=64, scale_dtype="bfloat16", hadamard=True, start=0, rows=128, chunks=1
+    )
+    codes, scales = one_shot._split(packed, 128, 32, "bfloat16")
+    rotated = np.asarray(one_shot._walsh_hadamard(x.astype(jnp.float32).reshape(-1, 64)))
+    rows = rotated.reshape(128, 32)
+    finite = np.where(np.isfinite(rows), np.abs(rows), 0).max(1)
+    assert (finite <= 127 * np.asarray(scales[0])).all()
+    assert (np.asarray(codes) >= -127).sum() == np.isfinite(rows).sum()
+
+
+@pytest.mark.parametrize(
+    ("k", "block", "group", "scale_dtype", "hadamard", "start"),
+    [
+        (3, 32, 64, "bfloat16", True, 1024),  # the N = 4 default, standalone
+        (3, 32, 64, "bfloat16", False, 0),  # the model's form
+        (1, 64, 64, "float32", True, 512),
+        (2, 16, 64, "float32", True, 2944),  # cut by x's end
+        (7, 8, 64, "bfloat16", True, 64),  # the plain loop
+        (0, 32, 64, "bfloat16", True, 128),  # nothing received: the encoder's payload
+    ],
+)
+def test_the_chunk_reducer_gives_the_references_bits(
+    monkeypatch, k, block, group, scale_dtype, hadamard, start
+):
+    rows = 8
+    x = _message(3000, seed=k)
+    received = [jnp.asarray(p) for p in _chunks(k, rows, block, scale_dtype, seed=3)] if k else []
+    args = dict(block=block, group=group, scale_dtype=scale_dtype, hadamard=hadamard, rows=rows)
+    reduce = lambda v, s, *r: one_shot.reduce_chunk(v, s, r, **args)
+    got, want = _native_and_reference(monkeypatch, reduce, x, jnp.int32(start), *received)
+    np.testing.assert_array_equal(got, want)
+    if k == 0:  # the same payload the encoder gives for those rows
+        encoded = one_shot.rotate_quantize_chunks(
+            x, start=start, rows=rows, chunks=1, **{a: args[a] for a in args if a != "rows"}
+        )
+        np.testing.assert_array_equal(got, np.asarray(encoded)[0])
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (dict(group=48), "power of two"),
+        (dict(group=16), "multiple of block"),
+        (dict(rows=3), "whole groups"),
+        (dict(received=[jnp.zeros(10, jnp.uint8)]), "received payloads"),
+        (dict(scale_dtype="float16"), "scale_dtype"),
+    ],
+)
+def test_the_chunk_reducer_rejects_bad_input_clearly(bad, match):
+    args = dict(block=32, group=64, scale_dtype="bfloat16", hadamard=True, rows=4)
+    received = bad.pop("received", [jnp.zeros(4 * 34, jnp.uint8)])
+    with pytest.raises(ValueError, match=match):
+        one_shot.reduce_chunk(jnp.zeros(256, jnp.bfloat16), 0, received, **{**args, **bad})
+
+
+def test_two_shot_equarx_reduce_scatters_with_the_kernels_only_where_they_apply():
+    n, x = 4, np.random.default_rng(4).standard_normal((4, 64, 640)).astype(jnp.bfloat16)
+    targets = (one_shot.QUANTIZE.target, one_shot.REDUCE_CHUNK.target)
+    default = get_all_reduce("equarx-int8", min_size_bytes=0)
+    for form in (default, default.with_rotated_input()):
+        text = lower_all_reduce(form, x, n)
+        assert all((t in text) == one_shot.quantizes_chunks(32, 64) for t in targets)
+    for other in (
+        get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp"),
+        get_all_reduce("equarx-int8", min_size_bytes=0, schedule="ring"),
+        get_all_reduce("equarx-int8", min_size_bytes=0, block_size=32, rotation_block=128),
+    ):
+        text = lower_all_reduce(other, x, n)
+        assert not any(t in text for t in targets), other
+    assert one_shot.REDUCE_CHUNK.target not in lower_all_reduce(default, x.astype(np.float32), n)

@@ -85,7 +85,7 @@ from equarx_serve.collectives.hadamard import (
     hadamard_scaled_codes,
 )
 from equarx_serve.collectives.registry import register_all_reduce
-from equarx_serve.collectives.ring import PackedOneShot, RingAllReduce, take_chunk
+from equarx_serve.collectives.ring import NativeTwoShot, PackedOneShot, RingAllReduce, take_chunk
 from equarx_serve.kernels import block_quantize, one_shot
 
 # The gate falls back to psum, so it sits where the quantized path starts to beat psum.
@@ -383,10 +383,14 @@ class EquarxInt8(RingAllReduce):
             return lax.psum(x, axis_name)
         concrete = self.for_axis_size(axis_size)
         if concrete.input_rotation is None:
-            kernels = None
+            kernels = encoder = None
             if concrete._runs_natively(x.dtype, axis_size):
                 kernels = concrete._one_shot_kernels(rotate_input=False)
-            return concrete.ring_reduce(x, axis_name, axis_size, x.dtype, packed=kernels)
+            if concrete._encodes_natively(x.dtype, axis_size):
+                encoder = concrete._two_shot_kernels(rotate_input=False)
+            return concrete.ring_reduce(
+                x, axis_name, axis_size, x.dtype, packed=kernels, native=encoder
+            )
         # Each lane is rotated (to f32) before it is quantized, and rotated back once its sum is
         # decoded: lanes are contiguous runs of whole rotation groups of the flat message
         # (`pad_rows`), so this is the message's rotation, pipelined with the transfers.
@@ -417,12 +421,21 @@ class EquarxInt8(RingAllReduce):
         prepare = None
         if rotate_input:
             prepare = lambda lane: _rotate_lane(rotation, lane, jnp.float32)
+        encoder = None
+        if self._encodes_natively(x.dtype, axis_size):
+            encoder = self._two_shot_kernels(rotate_input=rotate_input)
         if self._decodes_natively(x.dtype, axis_size):
             decode = lambda gathered: one_shot.decode_rotate_each(
                 gathered, block=self.block_size, group=rotation.block, scale_dtype=self.scale_dtype
             )
             return self.ring_reduce(
-                x, axis_name, axis_size, x.dtype, prepare=prepare, decode_gathered=decode
+                x,
+                axis_name,
+                axis_size,
+                x.dtype,
+                prepare=prepare,
+                decode_gathered=decode,
+                native=encoder,
             )
         if self.inverse_on_codes(axis_size):
             codec, group = self.codec(x.dtype), rotation.block
@@ -433,6 +446,7 @@ class EquarxInt8(RingAllReduce):
                 x.dtype,
                 prepare=prepare,
                 decode=lambda payload: codec.decode_rotated(payload, group),
+                native=encoder,
             )
         return self.ring_reduce(
             x,
@@ -441,6 +455,7 @@ class EquarxInt8(RingAllReduce):
             x.dtype,
             prepare=prepare,
             finish=lambda lane: _rotate_lane(rotation, lane, x.dtype),
+            native=encoder,
         )
 
     def _runs_natively(self, dtype: jnp.dtype, axis_size: int) -> bool:
@@ -476,6 +491,40 @@ class EquarxInt8(RingAllReduce):
             and jnp.dtype(dtype) == jnp.bfloat16
             and rotation is not None
             and one_shot.decodes_each(self.block_size, rotation.block)
+        )
+
+    def _encodes_natively(self, dtype: jnp.dtype, axis_size: int) -> bool:
+        """Whether two-shot's reduce-scatter runs as the native kernels (`_two_shot_kernels`):
+        `kernel="auto"` on CPU where they build with AVX-512, bf16 in, rotation groups (or
+        blocks, without a rotation) of 64 elements made of blocks of 16 to 64 (the N > 2
+        default: two blocks of 32)."""
+        group = self._rotation_group if self.input_rotation is not None else self.block_size
+        return (
+            self.kernel == "auto"
+            and self.schedule_for(axis_size) == "two-shot"
+            and jnp.dtype(dtype) == jnp.bfloat16
+            and one_shot.quantizes_chunks(self.block_size, group)
+        )
+
+    def _two_shot_kernels(self, *, rotate_input: bool) -> NativeTwoShot:
+        """Two-shot's reduce-scatter as `one_shot.rotate_quantize_chunks` (every chunk of a
+        lane rotated, quantized and packed in one pass, straight from the message) and
+        `one_shot.reduce_chunk` (the own chunk rotated, the received payloads decoded and
+        added, the sum quantized, in one pass); rotating the input only if `rotate_input`."""
+        rotation = self.input_rotation
+        codec = dict(
+            block=self.block_size,
+            group=rotation.block if rotation is not None else self.block_size,
+            scale_dtype=self.scale_dtype,
+            hadamard=rotate_input and rotation is not None,
+        )
+        return NativeTwoShot(
+            encode=lambda lanes, start, rows: one_shot.rotate_quantize_chunks(
+                lanes, start=start, rows=rows, chunks=lanes.shape[2], **codec
+            ),
+            reduce=lambda lanes, start, rows, received: one_shot.reduce_chunk(
+                lanes, start, received, rows=rows, **codec
+            ),
         )
 
     def _one_shot_kernels(self, *, rotate_input: bool) -> PackedOneShot:

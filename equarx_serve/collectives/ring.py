@@ -153,6 +153,20 @@ class PackedOneShot:
     combine: Callable[[jax.Array, jax.Array, int], jax.Array]
 
 
+@dataclasses.dataclass(frozen=True)
+class NativeTwoShot:
+    """Two-shot's reduce-scatter as two fused kernels on the bytes that travel, reading the
+    lanes [D, S, N, R, B] flat: `encode(lanes, start, rows)` maps the lane from element `start`
+    to its N chunk payloads (what `prepare` and the codec's encoding give, as `pack_payload`
+    lays each out), u8 [N, bytes]; `reduce(lanes, start, rows, received)` maps the device's own
+    chunk (R rows from element `start`, traced) and the N - 1 payloads it received (u8 [bytes]
+    each, in shift order) to the reduced chunk's payload, u8 [bytes] (what `prepare` and the
+    codec's accumulate-encode give)."""
+
+    encode: Callable[[jax.Array, int, int], jax.Array]
+    reduce: Callable[[jax.Array, jax.Array, int, list[jax.Array]], jax.Array]
+
+
 def pipelined_all_reduce(
     lanes: jax.Array,
     axis_name: str,
@@ -164,6 +178,7 @@ def pipelined_all_reduce(
     decode: PayloadFn | None = None,
     finish: LaneFn | None = None,
     decode_gathered: LaneFn | None = None,
+    native: NativeTwoShot | None = None,
 ) -> jax.Array:
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
 
@@ -175,7 +190,8 @@ def pipelined_all_reduce(
     inverse rotation). All per lane, so lane k's transforms can overlap lane k+1's transfer.
     Two-shot only: `decode_gathered` replaces `decode` and `finish` of the all-gathered
     payloads by one kernel on their bytes (u8 [N, bytes] as `pack_payload` lays each out ->
-    [N, R, B] out_dtype).
+    [N, R, B] out_dtype); and `native` replaces `prepare` and the codec in the reduce-scatter
+    by its kernels (the payloads travel as their bytes).
     """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
@@ -194,12 +210,14 @@ def pipelined_all_reduce(
             decode=decode,
             finish=finish,
         )
-    if decode_gathered is not None and schedule != "two-shot":
-        raise ValueError(f"decode_gathered is for the two-shot schedule, not {schedule!r}")
+    for hook, name in ((decode_gathered, "decode_gathered"), (native, "native")):
+        if hook is not None and schedule != "two-shot":
+            raise ValueError(f"{name} is for the two-shot schedule, not {schedule!r}")
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
-    values = {key: prepare(lanes[key]) for key in keys}
+    if native is None:
+        values = {key: prepare(lanes[key]) for key in keys}
     if schedule == "ring":
         with jax.named_scope("ring_reduce_scatter"):
             for key in keys:
@@ -215,18 +233,30 @@ def pipelined_all_reduce(
     elif schedule == "two-shot":
         with jax.named_scope("two_shot_reduce_scatter"):
             received: dict[tuple[int, int], list[Payload]] = {key: [] for key in keys}
+            rows, lane_size = lanes.shape[3], n * lanes.shape[3] * lanes.shape[4]
+            start = {(d, s): (d * num_slices + s) * lane_size for d, s in keys}
+            if native is not None:
+                sent = {key: native.encode(lanes, start[key], rows) for key in keys}
             for shift in range(1, n):
                 for key in keys:
                     dr = direction[key]
-                    outgoing = codec.encode_chunk(values[key], (index + dr * shift) % n)
-                    received[key].append(
-                        ppermute_payload(outgoing, axis_name, _shift_perm(n, dr * shift))
-                    )
+                    target, perm = (index + dr * shift) % n, _shift_perm(n, dr * shift)
+                    if native is None:
+                        outgoing = codec.encode_chunk(values[key], target)
+                        received[key].append(ppermute_payload(outgoing, axis_name, perm))
+                    else:  # bytes
+                        outgoing = lax.dynamic_index_in_dim(sent[key], target, 0, keepdims=False)
+                        received[key].append(lax.ppermute(outgoing, axis_name, perm))
             for key in keys:
-                payload[key] = codec.accumulate_encode(
-                    take_chunk(values[key], index), tuple(received[key])
-                )
                 owned[key] = index
+                if native is None:
+                    local = take_chunk(values[key], index)
+                    payload[key] = codec.accumulate_encode(local, tuple(received[key]))
+                    continue
+                own = start[key] + index * (lane_size // n)
+                payload[key] = native.reduce(lanes, own, rows, received[key])
+                if decode_gathered is None:  # the codec decodes it: its arrays
+                    payload[key] = _unpack_like(payload[key], codec, lanes.shape[3:])
     else:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {SCHEDULES}")
 
@@ -250,6 +280,13 @@ def pipelined_all_reduce(
     return jnp.stack(
         [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
     )
+
+
+def _unpack_like(packed: jax.Array, codec: Codec, chunk_shape: tuple[int, ...]) -> Payload:
+    """A chunk's payload bytes (as `pack_payload` lays them out) -> the codec's payload arrays."""
+    chunk = jax.ShapeDtypeStruct((1, *chunk_shape), jnp.float32)
+    leaves, treedef = jax.tree.flatten(jax.eval_shape(lambda c: codec.encode_chunk(c, 0), chunk))
+    return jax.tree.unflatten(treedef, unpack_payload(packed, leaves))
 
 
 def _ring_all_gather(payload: Payload, owned: jax.Array, axis_name: str, direction: int) -> Payload:
@@ -463,9 +500,10 @@ class RingAllReduce(AllReduce):
         finish: LaneFn | None = None,
         packed: PackedOneShot | None = None,
         decode_gathered: LaneFn | None = None,
+        native: NativeTwoShot | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to
-        `out_dtype`; `prepare`, `decode`, `finish` and `decode_gathered` are
+        `out_dtype`; `prepare`, `decode`, `finish`, `decode_gathered` and `native` are
         `pipelined_all_reduce`'s hooks; `packed` runs the one-shot schedule as its kernels
         (`packed_one_shot_all_reduce`) instead."""
         layout = self._layout_for(x.size, x.dtype, axis_size)
@@ -487,6 +525,7 @@ class RingAllReduce(AllReduce):
                 decode=decode,
                 finish=finish,
                 decode_gathered=decode_gathered,
+                native=native,
             )
         return layout.from_lanes(reduced, x.shape)
 

@@ -1,21 +1,23 @@
 // One-shot EQuARX's two native steps on CPU, and two-shot's last, the XLA:CPU custom calls
 // behind one_shot.py.
 //
-// RotateQuantize (first step): rotate each row of B values, quantize it, pack the payload.
+// RotateQuantize (one-shot's first step, and two-shot's encode of the chunks it sends): rotate
+// each group of G values, quantize its rows of B, pack the payloads.
 //
-//   r[m, :]     = H_B x[m, :] / sqrt(B)         (hadamard = 1; else x[m, :]), f32, x bf16 [M, B]
-//   scale[m]    = max(absmax over the finite r[m, e] * (1/127), FLT_MIN)
+//   r[g, :]     = H_G x[g, :] / sqrt(G)         (hadamard = 1; else x[g, :]), f32, x bf16
+//   scale[m]    = max(absmax over the finite r of row m * (1/127), FLT_MIN), a row being B
+//                 consecutive values of r; with 2-byte scales rounded up to a bfloat16 value
 //   codes[m, e] = clamp(round_half_even(r[m, e] * (1 / scale[m])), -127, 127); -128 if r is
 //                 not finite
-//   out         = codes int8 [M, B] then scale f32 [M], as bytes u8 [M * (B + 4)]
+//   payload     = codes int8 [M, B] then scale [M] (f32, or bf16 bits), as bytes
 //
-// x is read flat: rows m = 0 .. M-1 are its elements start + m B .. start + (m + 1) B - 1
-// (attribute `start`), zeros past its end, so a slice of a message, its padding included, is
-// encoded straight from the message (no copy of the slice).
-//
-// the same arithmetic as block_quantize's jnp quantizer on the rotated values, so the codes are
+// x is read flat: payload c (of `chunks`) holds its elements start + c M B .. (attribute
+// `start`), zeros past its end, so a slice of a message, its padding included, is encoded
+// straight from the message (no copy of the slice), and two-shot's N chunks in one call.
+// The same arithmetic as block_quantize's jnp quantizer on the rotated values, so the codes are
 // its codes for the same r (r itself is the FWHT's, see below, not XLA's dense product's).
-// Cost: 2 M B bytes read, M (B + 4) written; log2(B) adds, a multiply and a round an element.
+// Cost: 2 M B bytes read, M (B + S) written a payload; log2(G) adds, a multiply and a round an
+// element.
 //
 // DequantizeRotate (last step): dequantize K int8 payloads, sum them, rotate back.
 //
@@ -291,16 +293,42 @@ void EachGroups64Avx512(const Chunks& in, uint16_t* out, int64_t k) {
 }
 #endif
 
-// One row of B rotated values -> its codes and scale (block_quantize's arithmetic).
-template <int64_t B>
-inline void QuantizeRow(const float* r, int8_t* codes, uint8_t* scale_bytes) {
+// The smallest scale that keeps a row of absmax `absmax` within [-127, 127] codes: f32, or the
+// smallest bfloat16 value >= it for scales of 2 bytes (block_quantize's arithmetic).
+inline float RowScale(float absmax, int64_t scale_bytes) {
+  float scale = std::fmax(absmax * (1.0f / kInt8Max), std::numeric_limits<float>::min());
+  if (scale_bytes == 2) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, sizeof(bits));
+    bits = (bits + 0xFFFFu) & 0xFFFF0000u;
+    std::memcpy(&scale, &bits, sizeof(scale));
+  }
+  return scale;
+}
+
+// A scale as its bytes on the wire: f32, or the upper half of an f32 that RowScale made exact
+// in bfloat16.
+inline void StoreScale(float scale, int64_t scale_bytes, uint8_t* at) {
+  if (scale_bytes == 2) {
+    uint32_t bits;
+    std::memcpy(&bits, &scale, sizeof(bits));
+    const uint16_t upper = static_cast<uint16_t>(bits >> 16);
+    std::memcpy(at, &upper, sizeof(upper));
+  } else {
+    std::memcpy(at, &scale, sizeof(scale));
+  }
+}
+
+// One row of `block` rotated values -> its codes and scale (block_quantize's arithmetic).
+inline void QuantizeRow(const float* r, int64_t block, int64_t scale_bytes, int8_t* codes,
+                        uint8_t* scale_at) {
   float absmax = 0.0f;
-  for (int64_t e = 0; e < B; ++e) {
+  for (int64_t e = 0; e < block; ++e) {
     if (std::isfinite(r[e])) absmax = std::fmax(absmax, std::fabs(r[e]));
   }
-  const float scale = std::fmax(absmax * (1.0f / kInt8Max), std::numeric_limits<float>::min());
+  const float scale = RowScale(absmax, scale_bytes);
   const float inverse = 1.0f / scale;
-  for (int64_t e = 0; e < B; ++e) {
+  for (int64_t e = 0; e < block; ++e) {
     if (!std::isfinite(r[e])) {
       codes[e] = kNonFiniteCode;
       continue;
@@ -308,75 +336,120 @@ inline void QuantizeRow(const float* r, int8_t* codes, uint8_t* scale_bytes) {
     const float q = std::nearbyint(r[e] * inverse);  // the default mode: nearest, ties to even
     codes[e] = static_cast<int8_t>(std::fmin(std::fmax(q, -kInt8Max), kInt8Max));
   }
-  std::memcpy(scale_bytes, &scale, sizeof(scale));
+  StoreScale(scale, scale_bytes, scale_at);
 }
 
-// Rows 0 .. m - 1 of x -> their codes at codes[row * B ..] and scales at scales[row * 4 ..].
-template <int64_t B>
-void QuantizeRows(const uint16_t* x, uint8_t* codes, uint8_t* scales, int64_t m, bool hadamard) {
-  alignas(64) float r[B];
-  for (int64_t row = 0; row < m; ++row) {
-    for (int64_t e = 0; e < B; ++e) r[e] = Bf16ToF32(x[row * B + e]);
-    if (hadamard) Fwht<B>(r);
-    QuantizeRow<B>(r, reinterpret_cast<int8_t*>(codes + row * B), scales + row * 4);
+// Where QuantizeGroups writes: codes int8 [rows, block] and scales [rows] of scale_bytes each.
+struct Quantized {
+  uint8_t* codes;
+  uint8_t* scales;
+  int64_t block, scale_bytes;
+  int8_t* Codes(int64_t row) const { return reinterpret_cast<int8_t*>(codes + row * block); }
+  uint8_t* Scale(int64_t row) const { return scales + row * scale_bytes; }
+};
+
+// Payloads a device received for the chunk it quantizes, added (decoded) before quantizing:
+// k payloads of the chunk's rows (codes, then scales), row 0 of a call being their row `first`.
+struct Received {
+  const Chunks* payloads = nullptr;
+  int64_t k = 0, first = 0;
+};
+
+// `groups` groups of G values of x (G / block rows each), each rotated (hadamard), plus the
+// received payloads decoded and added in order, then quantized row by row.
+template <int64_t G>
+void QuantizeGroups(const uint16_t* x, const Received& in, const Quantized& out, int64_t groups,
+                    bool hadamard) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  alignas(64) float r[G];
+  const int64_t rows_per_group = G / out.block;
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t e = 0; e < G; ++e) r[e] = Bf16ToF32(x[g * G + e]);
+    if (hadamard) Fwht<G>(r);
+    for (int64_t p = 0; p < in.k; ++p) {
+      for (int64_t e = 0; e < G; ++e) {
+        const int64_t row = in.first + g * rows_per_group + e / out.block;
+        const int8_t q = in.payloads[p].Codes(0, row)[e % out.block];
+        r[e] += q == kNonFiniteCode ? nan : static_cast<float>(q) * in.payloads[p].Scale(0, row);
+      }
+    }
+    for (int64_t j = 0; j < rows_per_group; ++j) {
+      const int64_t row = g * rows_per_group + j;
+      QuantizeRow(r + j * out.block, out.block, out.scale_bytes, out.Codes(row), out.Scale(row));
+    }
   }
 }
 
 #if defined(__AVX512F__)
-// QuantizeRows<64> with AVX-512, the same arithmetic: a row in four registers.
-void QuantizeRows64Avx512(const uint16_t* x, uint8_t* out_codes, uint8_t* scales, int64_t m,
-                          bool hadamard) {
+// QuantizeGroups<64> with AVX-512 (blocks of 16, 32 or 64), the same arithmetic: a group in
+// four registers, a row in block / 16 of them.
+void QuantizeGroups64Avx512(const uint16_t* x, const Received& in, const Quantized& out,
+                            int64_t groups, bool hadamard) {
   const InLane lanes;
+  const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   const __m512 halve = _mm512_set1_ps(0.5f);
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
-  for (int64_t row = 0; row < m; ++row) {
+  const int regs_per_row = static_cast<int>(out.block / 16);
+  for (int64_t g = 0; g < groups; ++g) {
     __m512 v[4];
     for (int r = 0; r < 4; ++r) {  // a bf16 is the high half of an f32
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + row * 64 + 16 * r));
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + g * 64 + 16 * r));
       v[r] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
     }
     if (hadamard) Fwht64(v, lanes.partner, lanes.upper, halve);
-    __mmask16 finite[4];
-    __m512 absmax = _mm512_setzero_ps();
-    for (int r = 0; r < 4; ++r) {
-      const __m512 magnitude = _mm512_castsi512_ps(
-          _mm512_and_si512(_mm512_castps_si512(v[r]), _mm512_set1_epi32(0x7fffffff)));
-      finite[r] = _mm512_cmp_ps_mask(magnitude, largest, _CMP_LE_OQ);
-      absmax = _mm512_mask_max_ps(absmax, finite[r], absmax, magnitude);
+    for (int64_t p = 0; p < in.k; ++p) {  // the group's rows are consecutive
+      const int64_t row = in.first + g * (64 / out.block);
+      const int8_t* q = in.payloads[p].Codes(0, row);
+      for (int r = 0; r < 4; ++r) {
+        const __m512 scale = _mm512_set1_ps(in.payloads[p].Scale(0, row + 16 * r / out.block));
+        v[r] = _mm512_add_ps(v[r], Decode16(q + 16 * r, scale, nan));
+      }
     }
-    const float scale = std::fmax(_mm512_reduce_max_ps(absmax) * (1.0f / kInt8Max),
-                                  std::numeric_limits<float>::min());
-    const __m512 inverse = _mm512_set1_ps(1.0f / scale);
-    int8_t* codes = reinterpret_cast<int8_t*>(out_codes + row * 64);
-    for (int r = 0; r < 4; ++r) {
-      __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[r], inverse),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-kInt8Max)), _mm512_set1_ps(kInt8Max));
-      const __m512i ints = _mm512_mask_blend_epi32(
-          finite[r], _mm512_set1_epi32(kNonFiniteCode), _mm512_cvtps_epi32(q));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * r), _mm512_cvtepi32_epi8(ints));
+    for (int first = 0; first < 4; first += regs_per_row) {
+      const int64_t row = g * (64 / out.block) + first / regs_per_row;
+      __mmask16 finite[4];
+      __m512 absmax = _mm512_setzero_ps();
+      for (int r = first; r < first + regs_per_row; ++r) {
+        const __m512 magnitude = _mm512_castsi512_ps(
+            _mm512_and_si512(_mm512_castps_si512(v[r]), _mm512_set1_epi32(0x7fffffff)));
+        finite[r] = _mm512_cmp_ps_mask(magnitude, largest, _CMP_LE_OQ);
+        absmax = _mm512_mask_max_ps(absmax, finite[r], absmax, magnitude);
+      }
+      const float scale = RowScale(_mm512_reduce_max_ps(absmax), out.scale_bytes);
+      const __m512 inverse = _mm512_set1_ps(1.0f / scale);
+      int8_t* codes = out.Codes(row);
+      for (int r = first; r < first + regs_per_row; ++r) {
+        __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(v[r], inverse),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        q = _mm512_min_ps(_mm512_max_ps(q, _mm512_set1_ps(-kInt8Max)), _mm512_set1_ps(kInt8Max));
+        const __m512i ints = _mm512_mask_blend_epi32(
+            finite[r], _mm512_set1_epi32(kNonFiniteCode), _mm512_cvtps_epi32(q));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16 * (r - first)),
+                         _mm512_cvtepi32_epi8(ints));
+      }
+      StoreScale(scale, out.scale_bytes, out.Scale(row));
     }
-    std::memcpy(scales + row * 4, &scale, sizeof(scale));
   }
 }
 #endif
 
-using QuantizeFn = void (*)(const uint16_t*, uint8_t*, uint8_t*, int64_t, bool);
+using QuantizeFn = void (*)(const uint16_t*, const Received&, const Quantized&, int64_t, bool);
 
-QuantizeFn QuantizeFor(int64_t block) {
-  switch (block) {
-    case 2: return QuantizeRows<2>;
-    case 4: return QuantizeRows<4>;
-    case 8: return QuantizeRows<8>;
-    case 16: return QuantizeRows<16>;
-    case 32: return QuantizeRows<32>;
+// The loop for groups of `group` values made of rows of `block` (block divides group).
+QuantizeFn QuantizeFor(int64_t group, int64_t block) {
+  switch (group) {
+    case 2: return QuantizeGroups<2>;
+    case 4: return QuantizeGroups<4>;
+    case 8: return QuantizeGroups<8>;
+    case 16: return QuantizeGroups<16>;
+    case 32: return QuantizeGroups<32>;
 #if defined(__AVX512F__)
-    case 64: return QuantizeRows64Avx512;
+    case 64: return block >= 16 ? QuantizeGroups64Avx512 : QuantizeGroups<64>;
 #else
-    case 64: return QuantizeRows<64>;
+    case 64: return QuantizeGroups<64>;
 #endif
-    case 128: return QuantizeRows<128>;
-    case 256: return QuantizeRows<256>;
+    case 128: return QuantizeGroups<128>;
+    case 256: return QuantizeGroups<256>;
     default: return nullptr;
   }
 }
@@ -494,32 +567,104 @@ ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
   return ffi::Error::Success();
 }
 
-// Rows of `block` elements of x (any shape, `size` elements, read flat) from element `start`
-// on, as many as out holds (M = out's bytes / (block + 4)); elements past x's end are zeros
-// (the message's padding), so the payload is that of the zero-padded rows.
+// `chunks` payloads of M rows of `block` elements each (M = out's bytes per chunk / (block +
+// scale_bytes)): chunk c holds x's elements start + c M block .. (x read flat, zeros past its
+// end), rotated in groups of `group` elements (hadamard; group a multiple of block dividing
+// M block), as codes int8 [M, block] then scales [M] (f32, or bfloat16 rounded up).
 ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> out,
-                          int64_t block, int64_t hadamard, int64_t start) {
-  QuantizeFn quantize = block <= kMaxBlock ? QuantizeFor(block) : nullptr;
-  const int64_t per_row = block + static_cast<int64_t>(sizeof(float));
-  const int64_t size = static_cast<int64_t>(x.element_count());
-  if (quantize == nullptr || out->element_count() % per_row != 0) {
+                          int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard,
+                          int64_t start, int64_t chunks) {
+  const bool blocks_fit = block >= 1 && !(block & (block - 1)) && group % block == 0;
+  QuantizeFn quantize = blocks_fit && group <= kMaxBlock ? QuantizeFor(group, block) : nullptr;
+  const int64_t per_row = block + scale_bytes;
+  const int64_t total = static_cast<int64_t>(out->element_count());
+  if (quantize == nullptr || (scale_bytes != 2 && scale_bytes != 4) || chunks < 1 ||
+      total % chunks != 0 || (total / chunks) % per_row != 0 ||
+      (total / chunks / per_row * block) % group != 0) {
     return ffi::Error::InvalidArgument(
-        "rotate_quantize: want a power-of-two block of 2 to 256 and out [M * (block + 4)] bytes");
+        "rotate_quantize: want a power-of-two group of 2 to 256 elements made of whole "
+        "power-of-two blocks, scales of 2 or 4 bytes, and out [chunks * M * (block + scale "
+        "bytes)] bytes with M rows a chunk of whole groups");
   }
   if (start < 0) return ffi::Error::InvalidArgument("rotate_quantize: want start >= 0");
-  const int64_t m = static_cast<int64_t>(out->element_count()) / per_row;
+  const int64_t size = static_cast<int64_t>(x.element_count());
+  const int64_t m = total / chunks / per_row, groups = m * block / group;
+  const auto* x_flat = reinterpret_cast<const uint16_t*>(x.typed_data());
+  alignas(64) uint16_t staged[kMaxBlock];
+  for (int64_t c = 0; c < chunks; ++c) {
+    uint8_t* codes = out->typed_data() + c * m * per_row;
+    const Quantized chunk{codes, codes + m * block, block, scale_bytes};
+    const int64_t first = start + c * m * block;
+    const int64_t whole = std::clamp<int64_t>((size - first) / group, 0, groups);  // inside x
+    if (whole > 0) quantize(x_flat + first, Received{}, chunk, whole, hadamard != 0);
+    for (int64_t g = whole; g < groups; ++g) {  // the group x's end cuts, then zeros
+      const int64_t at = first + g * group;
+      const int64_t inside = std::clamp<int64_t>(size - at, 0, group);
+      std::memset(staged, 0, sizeof(staged));
+      if (inside > 0) std::memcpy(staged, x_flat + at, inside * sizeof(uint16_t));
+      const int64_t row = g * (group / block);
+      const Quantized one{codes + row * block, chunk.Scale(row), block, scale_bytes};
+      quantize(staged, Received{}, one, 1, hadamard != 0);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// ReduceChunk (two-shot's owner step): the device's own chunk, M rows of `block` elements of x
+// (read flat from element `start`, an s32 operand since the owner's chunk is traced; zeros past
+// x's end), rotated in groups of `group` (hadamard), plus the K received payloads of that chunk
+// decoded and added in order (f32), quantized into one payload as RotateQuantize lays it out:
+//
+//   acc = H_G x[chunk] / sqrt(G) + sum_k codes[k] * scales[k]     (k = 0, 1, ... in order)
+//
+// the arithmetic of block_quantize's accumulate-quantize on the rotated values. Cost per
+// element: 2 bytes read and K (1 + S / B) more, 1 + S / B written; log2(G) adds, K
+// multiply-adds, a multiply and a round.
+ffi::Error ReduceChunk(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> start,
+                       ffi::RemainingArgs received, ffi::ResultBuffer<ffi::U8> out,
+                       int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard) {
+  const bool blocks_fit = block >= 1 && !(block & (block - 1)) && group % block == 0;
+  QuantizeFn quantize = blocks_fit && group <= kMaxBlock ? QuantizeFor(group, block) : nullptr;
+  const int64_t per_row = block + scale_bytes;
+  const int64_t total = static_cast<int64_t>(out->element_count());
+  if (quantize == nullptr || (scale_bytes != 2 && scale_bytes != 4) || total % per_row != 0 ||
+      (total / per_row * block) % group != 0 || start.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "reduce_chunk: want a power-of-two group of 2 to 256 elements made of whole "
+        "power-of-two blocks, scales of 2 or 4 bytes, out [M * (block + scale bytes)] bytes of "
+        "whole groups, and one start");
+  }
+  const int64_t m = total / per_row, groups = m * block / group;
+  const int64_t first = start.typed_data()[0];
+  if (first < 0) return ffi::Error::InvalidArgument("reduce_chunk: want start >= 0");
+  constexpr int64_t kMaxReceived = 64;
+  if (received.size() > kMaxReceived) {
+    return ffi::Error::InvalidArgument("reduce_chunk: at most 64 received payloads");
+  }
+  Chunks payloads[kMaxReceived];
+  for (size_t p = 0; p < received.size(); ++p) {
+    auto payload = received.get<ffi::Buffer<ffi::U8>>(p);
+    if (!payload.has_value() || static_cast<int64_t>(payload->element_count()) != total) {
+      return ffi::Error::InvalidArgument("reduce_chunk: want received payloads of out's bytes");
+    }
+    payloads[p] = Chunks{payload->typed_data(), total, m, block, scale_bytes};
+  }
+  const int64_t k = static_cast<int64_t>(received.size());
+  const int64_t size = static_cast<int64_t>(x.element_count());
   const auto* x_flat = reinterpret_cast<const uint16_t*>(x.typed_data());
   uint8_t* codes = out->typed_data();
-  uint8_t* scales = codes + m * block;
-  const int64_t whole = std::clamp<int64_t>((size - start) / block, 0, m);  // rows inside x
-  if (whole > 0) quantize(x_flat + start, codes, scales, whole, hadamard != 0);
-  alignas(64) uint16_t row[kMaxBlock];
-  for (int64_t r = whole; r < m; ++r) {  // the row x's end cuts, then rows of zeros
-    const int64_t first = start + r * block;
-    const int64_t inside = std::clamp<int64_t>(size - first, 0, block);
-    std::memset(row, 0, sizeof(row));
-    if (inside > 0) std::memcpy(row, x_flat + first, inside * sizeof(uint16_t));
-    quantize(row, codes + r * block, scales + r * 4, 1, hadamard != 0);
+  const Quantized chunk{codes, codes + m * block, block, scale_bytes};
+  const int64_t whole = std::clamp<int64_t>((size - first) / group, 0, groups);
+  if (whole > 0) quantize(x_flat + first, Received{payloads, k, 0}, chunk, whole, hadamard != 0);
+  alignas(64) uint16_t staged[kMaxBlock];
+  for (int64_t g = whole; g < groups; ++g) {  // the group x's end cuts, then zeros
+    const int64_t at = first + g * group;
+    const int64_t inside = std::clamp<int64_t>(size - at, 0, group);
+    std::memset(staged, 0, sizeof(staged));
+    if (inside > 0) std::memcpy(staged, x_flat + at, inside * sizeof(uint16_t));
+    const int64_t row = g * (group / block);
+    const Quantized one{codes + row * block, chunk.Scale(row), block, scale_bytes};
+    quantize(staged, Received{payloads, k, row}, one, 1, hadamard != 0);
   }
   return ffi::Error::Success();
 }
@@ -542,8 +687,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxRotateQuantize, RotateQuantize,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("block")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("scale_bytes")
                                   .Attr<int64_t>("hadamard")
-                                  .Attr<int64_t>("start"));
+                                  .Attr<int64_t>("start")
+                                  .Attr<int64_t>("chunks"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxReduceChunk, ReduceChunk,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::U8>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("scale_bytes")
+                                  .Attr<int64_t>("hadamard"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEach, DecodeRotateEach,
                               ffi::Ffi::Bind()

@@ -36,6 +36,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import operator
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -57,7 +58,10 @@ __all__ = [
     "dequantize_rotate_reference",
     "pack",
     "pays",
+    "quantizes_chunks",
+    "reduce_chunk",
     "rotate_quantize",
+    "rotate_quantize_chunks",
     "rotate_quantize_reference",
     "rotate_quantize_rows",
     "unpack",
@@ -76,6 +80,9 @@ DEQUANTIZE_INTO = NativeKernel(
 QUANTIZE = NativeKernel(
     _SOURCE, "EquarxRotateQuantize", "equarx_rotate_quantize", "XLA's ops", _FLAGS
 )
+REDUCE_CHUNK = NativeKernel(
+    _SOURCE, "EquarxReduceChunk", "equarx_reduce_chunk", "XLA's ops", _FLAGS
+)
 DECODE_EACH = NativeKernel(
     _SOURCE, "EquarxDecodeRotateEach", "equarx_decode_rotate_each", "XLA's ops", _FLAGS
 )
@@ -83,8 +90,9 @@ _SCALE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def pack(codes: jax.Array, scales: jax.Array) -> jax.Array:
-    """codes int8 [K, M, B], scales f32 [K, M] -> packed u8 [K, M * (B + 4)]: each payload's
-    codes, then its scales (as `ring.pack_payload` packs a (codes, scales) payload)."""
+    """codes int8 [K, M, B], scales f32 (or bf16) [K, M] -> packed u8 [K, M * (B + 4 (or 2))]:
+    each payload's codes, then its scales (as `ring.pack_payload` packs a (codes, scales)
+    payload)."""
     k = codes.shape[0]
     as_bytes = (lax.bitcast_convert_type(a, jnp.uint8).reshape(k, -1) for a in (codes, scales))
     return jnp.concatenate(list(as_bytes), axis=1)
@@ -278,17 +286,118 @@ def rotate_quantize_rows(
     """`rotate_quantize` of `rows` rows of `block` elements of x (bf16, any shape, read flat)
     from element `start` on, zeros past x's end: a slice of a message (and its padding) encoded
     straight from the message, with no copy of the slice. -> packed u8 [rows * (block + 4)]."""
-    _check_slice(x, block, start, rows)
-    out = jax.ShapeDtypeStruct((rows * (block + 4),), jnp.uint8)
-    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard), start=np.int64(start))
+    packed = rotate_quantize_chunks(
+        x, block=block, start=start, rows=rows, chunks=1, hadamard=hadamard
+    )
+    return packed.reshape(-1)
+
+
+def rotate_quantize_chunks(
+    x: jax.Array,
+    *,
+    block: int,
+    start: int,
+    rows: int,
+    chunks: int,
+    hadamard: bool,
+    group: int | None = None,
+    scale_dtype: str = "float32",
+) -> jax.Array:
+    """`chunks` payloads of `rows` rows of `block` elements each, from x (bf16, any shape,
+    read flat): payload c holds the elements start + c * rows * block on (zeros past x's end),
+    each group of `group` elements (default: block) rotated (`hadamard`), then quantized with
+    `scale_dtype` scales (bfloat16: rounded up) -> packed u8 [chunks, rows * (block + S)] (S the
+    scale's bytes; codes, then scales, as `ring.pack_payload` lays out a payload). Two-shot's
+    chunks of a lane in one pass, from the message itself. The kernel on CPU where it is
+    available, else the same arithmetic as jnp ops (the same bits)."""
+    group = group or block
+    _check_chunks(x, block, group, scale_dtype, start, rows, chunks)
+    scale_bytes = _SCALE_BYTES[scale_dtype]
+    out = jax.ShapeDtypeStruct((chunks, rows * (block + scale_bytes)), jnp.uint8)
+    attrs = dict(
+        block=np.int64(block),
+        group=np.int64(group),
+        scale_bytes=np.int64(scale_bytes),
+        hadamard=np.int64(hadamard),
+        start=np.int64(start),
+        chunks=np.int64(chunks),
+    )
     native = functools.partial(_call, QUANTIZE, out=out, **attrs)
 
     def reference(x: jax.Array) -> jax.Array:
-        flat = x.reshape(-1)[start : start + rows * block]
-        padded = jnp.pad(flat, (0, rows * block - flat.size)).reshape(rows, block)
-        return rotate_quantize_reference(padded, hadamard=hadamard)
+        total = chunks * rows * block
+        flat = x.reshape(-1)[start : start + total].astype(jnp.float32)
+        values = jnp.pad(flat, (0, total - flat.size))
+        if hadamard:
+            values = _walsh_hadamard(values.reshape(-1, group))
+        codes, scales = block_quantize.accumulate_quantize_reference(
+            values.reshape(-1, block), scale_dtype=scale_dtype
+        )
+        return pack(codes.reshape(chunks, rows, block), scales.reshape(chunks, rows))
 
     return _native_or(reference, QUANTIZE, native, x)
+
+
+def reduce_chunk(
+    x: jax.Array,
+    start: jax.Array | int,
+    received: Sequence[jax.Array],
+    *,
+    block: int,
+    rows: int,
+    hadamard: bool,
+    group: int | None = None,
+    scale_dtype: str = "float32",
+) -> jax.Array:
+    """Two-shot's owner step: `rows` rows of `block` elements of x (bf16, any shape, read flat)
+    from element `start` (traced; zeros past x's end), each group of `group` rotated
+    (`hadamard`), plus the `received` payloads of those rows (u8 [rows * (block + S)] each, as
+    `rotate_quantize_chunks` lays one out) decoded and added in order in f32, quantized into one
+    such payload -> u8 [rows * (block + S)]. The kernel on CPU where it is available, else the
+    same arithmetic as jnp ops (the same bits)."""
+    group = group or block
+    _check_chunks(x, block, group, scale_dtype, 0, rows, 1)
+    scale_bytes = _SCALE_BYTES[scale_dtype]
+    size = rows * (block + scale_bytes)
+    for payload in received:
+        if payload.dtype != jnp.uint8 or payload.shape != (size,):
+            raise ValueError(
+                f"want received payloads u8 [{size}], got {payload.dtype} {payload.shape}"
+            )
+    start = jnp.asarray(start, jnp.int32)
+    out = jax.ShapeDtypeStruct((size,), jnp.uint8)
+    attrs = dict(
+        block=np.int64(block),
+        group=np.int64(group),
+        scale_bytes=np.int64(scale_bytes),
+        hadamard=np.int64(hadamard),
+    )
+    native = functools.partial(_call, REDUCE_CHUNK, out=out, **attrs)
+
+    def reference(x: jax.Array, start: jax.Array, *received: jax.Array) -> jax.Array:
+        flat = jnp.pad(x.reshape(-1), (0, rows * block))
+        values = lax.dynamic_slice_in_dim(flat, start, rows * block).astype(jnp.float32)
+        if hadamard:
+            values = _walsh_hadamard(values.reshape(-1, group))
+        payloads = []
+        for payload in received:
+            codes, scales = _split(payload[None], rows, block, scale_dtype)
+            payloads.append((codes[0], scales[0][:, None]))
+        codes, scales = block_quantize.accumulate_quantize_reference(
+            values.reshape(rows, block), tuple(payloads), scale_dtype=scale_dtype
+        )
+        return pack(codes[None], scales.reshape(1, rows))[0]
+
+    return _native_or(reference, REDUCE_CHUNK, native, x, start, *received)
+
+
+def quantizes_chunks(block: int, group: int) -> bool:
+    """Whether `rotate_quantize_chunks` is the faster way for these rows: the CPU, an AVX-512
+    build of the kernels, and the form its vector loop takes (groups of 64 of blocks of 16 to
+    64)."""
+    fits = group == 64 and block in (16, 32, 64)
+    native = QUANTIZE.available() and REDUCE_CHUNK.available()
+    return fits and jax.default_backend() == "cpu" and native and vectorized()
 
 
 def dequantize_rotate(packed: jax.Array, *, block: int, hadamard: bool) -> jax.Array:
@@ -342,10 +451,20 @@ def _check_start(start: int) -> None:
         raise ValueError(f"start must be an int >= 0, got {start!r}")
 
 
-def _check_slice(x: jax.Array, block: int, start: int, rows: int) -> None:
+def _check_chunks(
+    x: jax.Array, block: int, group: int, scale_dtype: str, start: int, rows: int, chunks: int
+) -> None:
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"want x bf16, got {x.dtype}")
     _check_block(block)
+    _check_block(group)
+    if group % block:
+        raise ValueError(f"group must be a multiple of block {block}, got {group}")
+    if scale_dtype not in _SCALE_BYTES:
+        raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_BYTES)}, got {scale_dtype!r}")
     _check_start(start)
-    if not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"rows must be an int >= 1, got {rows!r}")
+    for name, value in (("rows", rows), ("chunks", chunks)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if rows * block % group:
+        raise ValueError(f"rows of {rows} x {block} elements are not whole groups of {group}")
