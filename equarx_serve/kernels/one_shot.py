@@ -1,6 +1,7 @@
-"""One-shot EQuARX's two steps on CPU as native kernels: rotate-quantize-pack, and
-dequantize-sum-rotate; and two-shot's last step, `decode_rotate_each` (each all-gathered chunk
-decoded and rotated back).
+"""EQuARX's steps on CPU as native kernels. One-shot's two: rotate-quantize-pack, and
+dequantize-sum-rotate. Two-shot's three: `rotate_quantize_chunks` (every chunk of a lane
+encoded), `reduce_chunk` (the own chunk plus the received payloads, re-quantized) and
+`decode_rotate_each` (each all-gathered chunk decoded and rotated back).
 
     packed = one_shot.rotate_quantize(x, hadamard=True)
     # x bf16 [M, B] -> u8 [M * (B + 4)]: the codes int8 [M, B] of each row rotated by
@@ -13,6 +14,12 @@ decoded and rotated back).
     # the flat message (zeros past its end), decoded into the flat output from `start` on.
     packed = one_shot.rotate_quantize_rows(message, block=B, start=start, rows=M, hadamard=True)
     out = one_shot.dequantize_rotate_into(out, gathered, block=B, start=start, hadamard=True)
+
+    # Two-shot (N chunks of M rows a lane; groups of G = 64, blocks of 32, bf16 scales):
+    sent = one_shot.rotate_quantize_chunks(lanes, block=32, group=64, scale_dtype="bfloat16",
+                                           hadamard=True, start=start, rows=M, chunks=N)
+    reduced = one_shot.reduce_chunk(lanes, own_start, received, block=32, group=64,
+                                    scale_dtype="bfloat16", hadamard=True, rows=M)
 
 In a one-shot all-reduce every device quantizes its whole message once, all-gathers the N
 payloads and turns them into its output. As XLA ops on CPU that is a dense [B, B] product by H
