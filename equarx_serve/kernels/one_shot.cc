@@ -454,6 +454,38 @@ QuantizeFn QuantizeFor(int64_t group, int64_t block) {
   }
 }
 
+// QuantizeFor for payloads of `bytes` bytes: rows of `block` codes and a scale of `scale_bytes`,
+// in whole groups of `group`; nullptr where that is not such a layout.
+QuantizeFn QuantizeLayout(int64_t block, int64_t group, int64_t scale_bytes, int64_t bytes) {
+  const bool blocks_fit = block >= 1 && !(block & (block - 1)) && group % block == 0;
+  const int64_t per_row = block + scale_bytes;
+  if (!blocks_fit || group > kMaxBlock || (scale_bytes != 2 && scale_bytes != 4) ||
+      bytes % per_row != 0 || (bytes / per_row * block) % group != 0) {
+    return nullptr;
+  }
+  return QuantizeFor(group, block);
+}
+
+// `groups` groups of `group` elements of x (read flat, `size` elements) from element `first`
+// through `quantize`: the groups inside x straight from it, the one x's end cuts and any past
+// it staged with zeros (the message's padding); the received rows line up with out's.
+void QuantizeFrom(QuantizeFn quantize, const uint16_t* x, int64_t size, int64_t first,
+                  int64_t groups, int64_t group, const Received& in, const Quantized& out,
+                  bool hadamard) {
+  const int64_t whole = std::clamp<int64_t>((size - first) / group, 0, groups);
+  if (whole > 0) quantize(x + first, in, out, whole, hadamard);
+  alignas(64) uint16_t staged[kMaxBlock];
+  for (int64_t g = whole; g < groups; ++g) {
+    const int64_t at = first + g * group;
+    const int64_t inside = std::clamp<int64_t>(size - at, 0, group);
+    std::memset(staged, 0, sizeof(staged));
+    if (inside > 0) std::memcpy(staged, x + at, inside * sizeof(uint16_t));
+    const int64_t row = g * (group / out.block);
+    const Quantized one{out.codes + row * out.block, out.Scale(row), out.block, out.scale_bytes};
+    quantize(staged, Received{in.payloads, in.k, in.first + row}, one, 1, hadamard);
+  }
+}
+
 using RowsFn = void (*)(const Payloads&, uint16_t*, int64_t, bool, int64_t);
 
 RowsFn RowsFor(int64_t block) {
@@ -574,38 +606,24 @@ ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
 ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> out,
                           int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard,
                           int64_t start, int64_t chunks) {
-  const bool blocks_fit = block >= 1 && !(block & (block - 1)) && group % block == 0;
-  QuantizeFn quantize = blocks_fit && group <= kMaxBlock ? QuantizeFor(group, block) : nullptr;
-  const int64_t per_row = block + scale_bytes;
   const int64_t total = static_cast<int64_t>(out->element_count());
-  if (quantize == nullptr || (scale_bytes != 2 && scale_bytes != 4) || chunks < 1 ||
-      total % chunks != 0 || (total / chunks) % per_row != 0 ||
-      (total / chunks / per_row * block) % group != 0) {
+  const int64_t per_chunk = chunks >= 1 && total % chunks == 0 ? total / chunks : -1;
+  QuantizeFn quantize = per_chunk >= 0 ? QuantizeLayout(block, group, scale_bytes, per_chunk)
+                                       : nullptr;
+  if (quantize == nullptr) {
     return ffi::Error::InvalidArgument(
         "rotate_quantize: want a power-of-two group of 2 to 256 elements made of whole "
         "power-of-two blocks, scales of 2 or 4 bytes, and out [chunks * M * (block + scale "
         "bytes)] bytes with M rows a chunk of whole groups");
   }
   if (start < 0) return ffi::Error::InvalidArgument("rotate_quantize: want start >= 0");
-  const int64_t size = static_cast<int64_t>(x.element_count());
-  const int64_t m = total / chunks / per_row, groups = m * block / group;
+  const int64_t m = per_chunk / (block + scale_bytes), groups = m * block / group;
   const auto* x_flat = reinterpret_cast<const uint16_t*>(x.typed_data());
-  alignas(64) uint16_t staged[kMaxBlock];
   for (int64_t c = 0; c < chunks; ++c) {
-    uint8_t* codes = out->typed_data() + c * m * per_row;
+    uint8_t* codes = out->typed_data() + c * per_chunk;
     const Quantized chunk{codes, codes + m * block, block, scale_bytes};
-    const int64_t first = start + c * m * block;
-    const int64_t whole = std::clamp<int64_t>((size - first) / group, 0, groups);  // inside x
-    if (whole > 0) quantize(x_flat + first, Received{}, chunk, whole, hadamard != 0);
-    for (int64_t g = whole; g < groups; ++g) {  // the group x's end cuts, then zeros
-      const int64_t at = first + g * group;
-      const int64_t inside = std::clamp<int64_t>(size - at, 0, group);
-      std::memset(staged, 0, sizeof(staged));
-      if (inside > 0) std::memcpy(staged, x_flat + at, inside * sizeof(uint16_t));
-      const int64_t row = g * (group / block);
-      const Quantized one{codes + row * block, chunk.Scale(row), block, scale_bytes};
-      quantize(staged, Received{}, one, 1, hadamard != 0);
-    }
+    QuantizeFrom(quantize, x_flat, static_cast<int64_t>(x.element_count()),
+                 start + c * m * block, groups, group, Received{}, chunk, hadamard != 0);
   }
   return ffi::Error::Success();
 }
@@ -623,24 +641,21 @@ ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> o
 ffi::Error ReduceChunk(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> start,
                        ffi::RemainingArgs received, ffi::ResultBuffer<ffi::U8> out,
                        int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard) {
-  const bool blocks_fit = block >= 1 && !(block & (block - 1)) && group % block == 0;
-  QuantizeFn quantize = blocks_fit && group <= kMaxBlock ? QuantizeFor(group, block) : nullptr;
-  const int64_t per_row = block + scale_bytes;
   const int64_t total = static_cast<int64_t>(out->element_count());
-  if (quantize == nullptr || (scale_bytes != 2 && scale_bytes != 4) || total % per_row != 0 ||
-      (total / per_row * block) % group != 0 || start.element_count() != 1) {
+  QuantizeFn quantize = QuantizeLayout(block, group, scale_bytes, total);
+  if (quantize == nullptr || start.element_count() != 1) {
     return ffi::Error::InvalidArgument(
         "reduce_chunk: want a power-of-two group of 2 to 256 elements made of whole "
         "power-of-two blocks, scales of 2 or 4 bytes, out [M * (block + scale bytes)] bytes of "
         "whole groups, and one start");
   }
-  const int64_t m = total / per_row, groups = m * block / group;
   const int64_t first = start.typed_data()[0];
   if (first < 0) return ffi::Error::InvalidArgument("reduce_chunk: want start >= 0");
-  constexpr int64_t kMaxReceived = 64;
+  constexpr size_t kMaxReceived = 64;
   if (received.size() > kMaxReceived) {
     return ffi::Error::InvalidArgument("reduce_chunk: at most 64 received payloads");
   }
+  const int64_t m = total / (block + scale_bytes);
   Chunks payloads[kMaxReceived];
   for (size_t p = 0; p < received.size(); ++p) {
     auto payload = received.get<ffi::Buffer<ffi::U8>>(p);
@@ -649,23 +664,11 @@ ffi::Error ReduceChunk(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> start,
     }
     payloads[p] = Chunks{payload->typed_data(), total, m, block, scale_bytes};
   }
-  const int64_t k = static_cast<int64_t>(received.size());
-  const int64_t size = static_cast<int64_t>(x.element_count());
-  const auto* x_flat = reinterpret_cast<const uint16_t*>(x.typed_data());
   uint8_t* codes = out->typed_data();
-  const Quantized chunk{codes, codes + m * block, block, scale_bytes};
-  const int64_t whole = std::clamp<int64_t>((size - first) / group, 0, groups);
-  if (whole > 0) quantize(x_flat + first, Received{payloads, k, 0}, chunk, whole, hadamard != 0);
-  alignas(64) uint16_t staged[kMaxBlock];
-  for (int64_t g = whole; g < groups; ++g) {  // the group x's end cuts, then zeros
-    const int64_t at = first + g * group;
-    const int64_t inside = std::clamp<int64_t>(size - at, 0, group);
-    std::memset(staged, 0, sizeof(staged));
-    if (inside > 0) std::memcpy(staged, x_flat + at, inside * sizeof(uint16_t));
-    const int64_t row = g * (group / block);
-    const Quantized one{codes + row * block, chunk.Scale(row), block, scale_bytes};
-    quantize(staged, Received{payloads, k, row}, one, 1, hadamard != 0);
-  }
+  const Received in{payloads, static_cast<int64_t>(received.size()), 0};
+  QuantizeFrom(quantize, reinterpret_cast<const uint16_t*>(x.typed_data()),
+               static_cast<int64_t>(x.element_count()), first, m * block / group, group, in,
+               Quantized{codes, codes + m * block, block, scale_bytes}, hadamard != 0);
   return ffi::Error::Success();
 }
 
