@@ -56,8 +56,8 @@ build with AVX-512 (`kernels/one_shot.py`, built on first use), native kernels r
   two-shot (N > 2, rotation groups of 64 made of blocks of 16 to 64): one kernel encodes every
   chunk of a lane in one pass, another rotates the device's own chunk, adds the received
   payloads and quantizes the sum in one pass, a third decodes and rotates back each
-  all-gathered chunk. 4 emulated hosts at 1 Gbit/s, standalone: 16 MiB 200-213 -> 166-176 ms,
-  64 MiB 877-1119 -> 698-733 ms.
+  all-gathered chunk. 4 emulated hosts at 1 Gbit/s, standalone: 16 MiB 200-213 -> 164-176 ms,
+  64 MiB 877-1119 -> 692-746 ms.
 Their bits are those of the same arithmetic as jnp ops (`one_shot.*_reference`), which differ
 from the dense product's in the last bit of a few values, so all hosts of a mesh should take
 the same path: a host without a C++ compiler takes XLA's ops, and its replica can differ from
