@@ -505,25 +505,29 @@ class EquarxInt8(RingAllReduce):
         `kernel="auto"` on CPU where they build with AVX-512, bf16 in, rotation groups (or
         blocks, without a rotation) of 64 elements made of blocks of 16 to 64 (the N > 2
         default: two blocks of 32)."""
-        group = self._rotation_group if self.input_rotation is not None else self.block_size
         return (
             self.kernel == "auto"
             and self.schedule_for(axis_size) == "two-shot"
             and jnp.dtype(dtype) == jnp.bfloat16
-            and one_shot.quantizes_chunks(self.block_size, group)
+            and one_shot.quantizes_chunks(self.block_size, self._quantized_group)
         )
+
+    @property
+    def _quantized_group(self) -> int:
+        """The elements the quantizer reads as one unit: a rotation group, or without a
+        rotation one block."""
+        return self._rotation_group if self.input_rotation is not None else self.block_size
 
     def _two_shot_kernels(self, *, rotate_input: bool) -> NativeTwoShot:
         """Two-shot's reduce-scatter as `one_shot.rotate_quantize_chunks` (every chunk of a
         lane rotated, quantized and packed in one pass, straight from the message) and
         `one_shot.reduce_chunk` (the own chunk rotated, the received payloads decoded and
         added, the sum quantized, in one pass); rotating the input only if `rotate_input`."""
-        rotation = self.input_rotation
         codec = dict(
             block=self.block_size,
-            group=rotation.block if rotation is not None else self.block_size,
+            group=self._quantized_group,
             scale_dtype=self.scale_dtype,
-            hadamard=rotate_input and rotation is not None,
+            hadamard=rotate_input and self.input_rotation is not None,
         )
         return NativeTwoShot(
             encode=lambda lanes, start, rows: one_shot.rotate_quantize_chunks(

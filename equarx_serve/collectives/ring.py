@@ -233,9 +233,9 @@ def pipelined_all_reduce(
     elif schedule == "two-shot":
         with jax.named_scope("two_shot_reduce_scatter"):
             received: dict[tuple[int, int], list[Payload]] = {key: [] for key in keys}
-            rows, lane_size = lanes.shape[3], n * lanes.shape[3] * lanes.shape[4]
-            start = {(d, s): (d * num_slices + s) * lane_size for d, s in keys}
-            if native is not None:
+            if native is not None:  # each lane's first element in `lanes`, read flat
+                rows, lane_size = lanes.shape[3], n * lanes.shape[3] * lanes.shape[4]
+                start = {(d, s): (d * num_slices + s) * lane_size for d, s in keys}
                 sent = {key: native.encode(lanes, start[key], rows) for key in keys}
             for shift in range(1, n):
                 for key in keys:

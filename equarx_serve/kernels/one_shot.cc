@@ -102,18 +102,24 @@ inline void Fwht(float* v) {
   }
 }
 
-// Payload p of `packed` (p * stride bytes in): its codes, then its scales at m * B bytes in;
-// row 0 of the view is the payloads' row `first`.
+// Payload p of `packed` (p * stride bytes in): its codes int8 [m, block], then its scales [m]
+// at m * block bytes in, as f32 (4 bytes) or bf16 (2 bytes); row 0 of the view is the
+// payloads' row `first`.
 struct Payloads {
   const uint8_t* packed;
-  int64_t stride, m, block, first = 0;
+  int64_t stride, m, block, scale_bytes = 4, first = 0;
   const int8_t* Codes(int64_t p, int64_t row) const {
     return reinterpret_cast<const int8_t*>(packed + p * stride + (first + row) * block);
   }
-  float Scale(int64_t p, int64_t row) const {
-    float scale;  // the scales may sit at any byte offset
-    const int64_t at = p * stride + m * block + (first + row) * sizeof(float);
-    std::memcpy(&scale, packed + at, sizeof(scale));
+  float Scale(int64_t p, int64_t row) const {  // the scales may sit at any byte offset
+    const uint8_t* at = packed + p * stride + m * block + (first + row) * scale_bytes;
+    if (scale_bytes == 2) {
+      uint16_t bits;
+      std::memcpy(&bits, at, sizeof(bits));
+      return Bf16ToF32(bits);
+    }
+    float scale;
+    std::memcpy(&scale, at, sizeof(scale));
     return scale;
   }
 };
@@ -146,27 +152,9 @@ void Rows(const Payloads& in, uint16_t* out, int64_t k, bool hadamard, int64_t r
 //
 // payload p: codes int8 [M, B] then scales [M] as f32 (4 bytes) or bf16 (2 bytes). Per element
 // one multiply and log2(G) adds; one pass over K M (B + S) bytes in, 2 K M B out.
-struct Chunks {
-  const uint8_t* packed;
-  int64_t stride, m, block, scale_bytes;
-  const int8_t* Codes(int64_t p, int64_t row) const {
-    return reinterpret_cast<const int8_t*>(packed + p * stride + row * block);
-  }
-  float Scale(int64_t p, int64_t row) const {
-    const uint8_t* at = packed + p * stride + m * block + row * scale_bytes;
-    if (scale_bytes == 2) {
-      uint16_t bits;
-      std::memcpy(&bits, at, sizeof(bits));
-      return Bf16ToF32(bits);
-    }
-    float scale;
-    std::memcpy(&scale, at, sizeof(scale));
-    return scale;
-  }
-};
 
 template <int64_t G>
-void EachGroups(const Chunks& in, uint16_t* out, int64_t k) {
+void EachGroups(const Payloads& in, uint16_t* out, int64_t k) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const int64_t rows_per_group = G / in.block;
   alignas(64) float v[G];
@@ -270,7 +258,7 @@ void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard, i
 
 // EachGroups<64> with AVX-512 (B = 16, 32 or 64): a group in four registers, register r holding
 // elements 16 r .. 16 r + 15, all of one row; the same arithmetic in the same order.
-void EachGroups64Avx512(const Chunks& in, uint16_t* out, int64_t k) {
+void EachGroups64Avx512(const Payloads& in, uint16_t* out, int64_t k) {
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   const __m512 halve = _mm512_set1_ps(0.5f);
   const InLane lanes;
@@ -351,7 +339,7 @@ struct Quantized {
 // Payloads a device received for the chunk it quantizes, added (decoded) before quantizing:
 // k payloads of the chunk's rows (codes, then scales), row 0 of a call being their row `first`.
 struct Received {
-  const Chunks* payloads = nullptr;
+  const Payloads* payloads = nullptr;
   int64_t k = 0, first = 0;
 };
 
@@ -556,7 +544,7 @@ ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF
                             static_cast<int64_t>(out->element_count()), block, hadamard, start);
 }
 
-using EachFn = void (*)(const Chunks&, uint16_t*, int64_t);
+using EachFn = void (*)(const Payloads&, uint16_t*, int64_t);
 
 // The loop for groups of `group` elements made of rows of `block` (block divides group).
 EachFn EachFor(int64_t group, int64_t block) {
@@ -594,7 +582,7 @@ ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
         "decode_rotate_each: want payloads [K, M * (block + scale bytes)] bytes, K >= 1, M a "
         "multiple of group / block");
   }
-  const Chunks in{packed.typed_data(), dims[1], dims[1] / per_row, block, scale_bytes};
+  const Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block, scale_bytes};
   each(in, reinterpret_cast<uint16_t*>(out->typed_data()), dims[0]);
   return ffi::Error::Success();
 }
@@ -656,13 +644,13 @@ ffi::Error ReduceChunk(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> start,
     return ffi::Error::InvalidArgument("reduce_chunk: at most 64 received payloads");
   }
   const int64_t m = total / (block + scale_bytes);
-  Chunks payloads[kMaxReceived];
+  Payloads payloads[kMaxReceived];
   for (size_t p = 0; p < received.size(); ++p) {
     auto payload = received.get<ffi::Buffer<ffi::U8>>(p);
     if (!payload.has_value() || static_cast<int64_t>(payload->element_count()) != total) {
       return ffi::Error::InvalidArgument("reduce_chunk: want received payloads of out's bytes");
     }
-    payloads[p] = Chunks{payload->typed_data(), total, m, block, scale_bytes};
+    payloads[p] = Payloads{payload->typed_data(), total, m, block, scale_bytes};
   }
   uint8_t* codes = out->typed_data();
   const Received in{payloads, static_cast<int64_t>(received.size()), 0};

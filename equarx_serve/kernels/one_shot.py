@@ -160,11 +160,30 @@ def _walsh_hadamard(v: jax.Array) -> jax.Array:
 def rotate_quantize_reference(x: jax.Array, *, hadamard: bool) -> jax.Array:
     """x bf16 [M, B] -> packed u8 [M * (B + 4)] (see the module doc), as jnp ops."""
     _check_rows(x)
-    values = x.astype(jnp.float32)
+    block = x.shape[1]
+    return _quantize_reference(x, block=block, group=block, hadamard=hadamard).reshape(-1)
+
+
+def _quantize_reference(
+    values: jax.Array,
+    *,
+    block: int,
+    group: int,
+    hadamard: bool,
+    scale_dtype: str = "float32",
+    received: tuple = (),
+    chunks: int = 1,
+) -> jax.Array:
+    """The kernels' encode as jnp ops: values (any shape, read flat, whole groups) in f32,
+    each group of `group` rotated (`hadamard`), plus the `received` (codes, scales [R, 1])
+    payloads, quantized in rows of `block` -> packed u8 [chunks, bytes] (`pack`)."""
+    values = values.reshape(-1).astype(jnp.float32)
+    if hadamard:
+        values = _walsh_hadamard(values.reshape(-1, group))
     codes, scales = block_quantize.accumulate_quantize_reference(
-        _walsh_hadamard(values) if hadamard else values
+        values.reshape(-1, block), received, scale_dtype=scale_dtype
     )
-    return pack(codes[None], scales.reshape(1, -1))[0]
+    return pack(codes.reshape(chunks, -1, block), scales.reshape(chunks, -1))
 
 
 def dequantize_rotate_reference(packed: jax.Array, *, block: int, hadamard: bool) -> jax.Array:
@@ -180,8 +199,7 @@ def _each_rows(packed: jax.Array, block: int, group: int, scale_dtype: str) -> t
     """(K, M) of packed u8 [K, M * (B + S)], S the scale bytes of `scale_dtype`; ValueError
     unless the rows make whole groups of `group` elements."""
     _check_block(group)
-    if scale_dtype not in _SCALE_BYTES:
-        raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_BYTES)}, got {scale_dtype!r}")
+    _check_scale_dtype(scale_dtype)
     if not isinstance(block, int) or block < 1 or block & (block - 1) or group % block:
         raise ValueError(f"block must be a power of two dividing group {group}, got {block!r}")
     per_row = block + _SCALE_BYTES[scale_dtype]
@@ -319,6 +337,7 @@ def rotate_quantize_chunks(
     available, else the same arithmetic as jnp ops (the same bits)."""
     group = group or block
     _check_chunks(x, block, group, scale_dtype, start, rows, chunks)
+    codec = dict(block=block, group=group, hadamard=hadamard, scale_dtype=scale_dtype)
     scale_bytes = _SCALE_BYTES[scale_dtype]
     out = jax.ShapeDtypeStruct((chunks, rows * (block + scale_bytes)), jnp.uint8)
     attrs = dict(
@@ -333,14 +352,9 @@ def rotate_quantize_chunks(
 
     def reference(x: jax.Array) -> jax.Array:
         total = chunks * rows * block
-        flat = x.reshape(-1)[start : start + total].astype(jnp.float32)
+        flat = x.reshape(-1)[start : start + total]
         values = jnp.pad(flat, (0, total - flat.size))
-        if hadamard:
-            values = _walsh_hadamard(values.reshape(-1, group))
-        codes, scales = block_quantize.accumulate_quantize_reference(
-            values.reshape(-1, block), scale_dtype=scale_dtype
-        )
-        return pack(codes.reshape(chunks, rows, block), scales.reshape(chunks, rows))
+        return _quantize_reference(values, chunks=chunks, **codec)
 
     return _native_or(reference, QUANTIZE, native, x)
 
@@ -364,6 +378,7 @@ def reduce_chunk(
     same arithmetic as jnp ops (the same bits)."""
     group = group or block
     _check_chunks(x, block, group, scale_dtype, 0, rows, 1)
+    codec = dict(block=block, group=group, hadamard=hadamard, scale_dtype=scale_dtype)
     scale_bytes = _SCALE_BYTES[scale_dtype]
     size = rows * (block + scale_bytes)
     for payload in received:
@@ -383,17 +398,12 @@ def reduce_chunk(
 
     def reference(x: jax.Array, start: jax.Array, *received: jax.Array) -> jax.Array:
         flat = jnp.pad(x.reshape(-1), (0, rows * block))
-        values = lax.dynamic_slice_in_dim(flat, start, rows * block).astype(jnp.float32)
-        if hadamard:
-            values = _walsh_hadamard(values.reshape(-1, group))
+        values = lax.dynamic_slice_in_dim(flat, start, rows * block)
         payloads = []
         for payload in received:
             codes, scales = _split(payload[None], rows, block, scale_dtype)
             payloads.append((codes[0], scales[0][:, None]))
-        codes, scales = block_quantize.accumulate_quantize_reference(
-            values.reshape(rows, block), tuple(payloads), scale_dtype=scale_dtype
-        )
-        return pack(codes[None], scales.reshape(1, rows))[0]
+        return _quantize_reference(values, received=tuple(payloads), **codec)[0]
 
     return _native_or(reference, REDUCE_CHUNK, native, x, start, *received)
 
@@ -453,6 +463,11 @@ def dequantize_rotate_into(
     return _native_or(reference, DEQUANTIZE_INTO, native, packed, out)
 
 
+def _check_scale_dtype(scale_dtype: str) -> None:
+    if scale_dtype not in _SCALE_BYTES:
+        raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_BYTES)}, got {scale_dtype!r}")
+
+
 def _check_start(start: int) -> None:
     if not isinstance(start, int) or start < 0:
         raise ValueError(f"start must be an int >= 0, got {start!r}")
@@ -467,8 +482,7 @@ def _check_chunks(
     _check_block(group)
     if group % block:
         raise ValueError(f"group must be a multiple of block {block}, got {group}")
-    if scale_dtype not in _SCALE_BYTES:
-        raise ValueError(f"scale_dtype must be one of {tuple(_SCALE_BYTES)}, got {scale_dtype!r}")
+    _check_scale_dtype(scale_dtype)
     _check_start(start)
     for name, value in (("rows", rows), ("chunks", chunks)):
         if not isinstance(value, int) or value < 1:
