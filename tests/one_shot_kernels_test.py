@@ -35,17 +35,18 @@ def _bits(x: jax.Array) -> np.ndarray:
     return np.asarray(x).view(np.uint16)
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hadamard", [True, False])
 @pytest.mark.parametrize(
     ("k", "rows", "block"),
     [(2, 1000, 64), (1, 7, 64), (3, 33, 128), (4, 5, 256), (2, 100, 32), (2, 9, 8), (2, 3, 2)],
 )
-def test_the_decode_kernel_gives_the_references_bits(k, rows, block, hadamard):
-    packed = one_shot.pack(*_payloads(k, rows, block))
-    apply = jax.jit(lambda p: one_shot.dequantize_rotate(p, block=block, hadamard=hadamard))
-    reference = jax.jit(
-        lambda p: one_shot.dequantize_rotate_reference(p, block=block, hadamard=hadamard)
-    )
+def test_the_decode_kernel_gives_the_references_bits(k, rows, block, hadamard, scale_dtype):
+    codes, scales = _payloads(k, rows, block)
+    packed = one_shot.pack(codes, jnp.asarray(scales, scale_dtype))
+    codec = dict(block=block, hadamard=hadamard, scale_dtype=scale_dtype)
+    apply = jax.jit(lambda p: one_shot.dequantize_rotate(p, **codec))
+    reference = jax.jit(lambda p: one_shot.dequantize_rotate_reference(p, **codec))
     assert "custom_call" in apply.lower(packed).as_text()
     np.testing.assert_array_equal(_bits(apply(packed)), _bits(reference(packed)))
 
@@ -170,11 +171,9 @@ def test_one_shot_equarx_uses_the_kernels_only_where_they_apply():
     default = get_all_reduce("equarx-int8", min_size_bytes=0)
     for form in (default, default.with_rotated_input()):
         assert all(target in lower_all_reduce(form, x, n) for target in targets)
-    assert all(
-        target
-        in lower_all_reduce(get_all_reduce("equarx-int8", min_size_bytes=0, rotation=None), x, n)
-        for target in targets
-    )
+    for options in (dict(rotation=None), dict(scale_dtype="float32")):
+        form = get_all_reduce("equarx-int8", min_size_bytes=0, **options)
+        assert all(target in lower_all_reduce(form, x, n) for target in targets), options
     target = one_shot.DEQUANTIZE.target
     for other in (
         get_all_reduce("equarx-int8", min_size_bytes=0, kernel="jnp"),
@@ -222,12 +221,15 @@ def test_without_a_rotation_the_kernels_give_the_xla_ops_bits(shape, slice_bytes
 # --- slices of a message, read and written in place --------------------------------------------
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("hadamard", [True, False])
 @pytest.mark.parametrize(
     ("start", "rows"),
     [(0, 15), (64, 5), (896, 3), (960, 1), (960, 4), (1000, 2), (1024, 3)],
 )  # whole rows, a row cut by the end of x, rows of zeros past it, a start past it
-def test_quantizing_rows_of_a_message_gives_the_padded_rows_bits(start, rows, hadamard):
+def test_quantizing_rows_of_a_message_gives_the_padded_rows_bits(
+    start, rows, hadamard, scale_dtype
+):
     rng = np.random.default_rng(start + rows)
     flat = rng.standard_normal(1000) * 10.0 ** rng.integers(-20, 20, 1000)
     flat[[3, 970]] = np.nan, np.inf
@@ -235,27 +237,30 @@ def test_quantizing_rows_of_a_message_gives_the_padded_rows_bits(start, rows, ha
     padded = jnp.pad(x.reshape(-1), (0, 64 * 64))[start : start + rows * 64].reshape(rows, 64)
     quantize = jax.jit(
         lambda v: one_shot.rotate_quantize_rows(
-            v, block=64, start=start, rows=rows, hadamard=hadamard
+            v, block=64, start=start, rows=rows, hadamard=hadamard, scale_dtype=scale_dtype
         )
     )
     assert "custom_call" in quantize.lower(x).as_text()
-    want = one_shot.rotate_quantize_reference(padded, hadamard=hadamard)
+    want = one_shot.rotate_quantize_reference(padded, hadamard=hadamard, scale_dtype=scale_dtype)
     np.testing.assert_array_equal(np.asarray(quantize(x)), np.asarray(want))
 
 
+@pytest.mark.parametrize("scale_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize(("start", "rows"), [(0, 4), (128, 3), (960, 1), (960, 2), (1024, 2)])
-def test_decoding_into_a_message_writes_its_range_and_nothing_else(start, rows, fresh):
-    packed = one_shot.pack(*_payloads(2, rows, 64, seed=start))
+def test_decoding_into_a_message_writes_its_range_and_nothing_else(start, rows, fresh, scale_dtype):
+    codes, scales = _payloads(2, rows, 64, seed=start)
+    packed = one_shot.pack(codes, jnp.asarray(scales, scale_dtype))
     before = jnp.asarray(np.random.default_rng(1).standard_normal((8, 125)), jnp.bfloat16)
     into = jax.ShapeDtypeStruct(before.shape, before.dtype) if fresh else before
+    codec = dict(block=64, hadamard=True, scale_dtype=scale_dtype)
     decode = jax.jit(
         lambda p, out: one_shot.dequantize_rotate_into(
-            into if fresh else out, p, block=64, start=start, hadamard=True
+            into if fresh else out, p, start=start, **codec
         )
     )
     got = _bits(decode(packed, before)).reshape(-1)
-    values = _bits(one_shot.dequantize_rotate_reference(packed, block=64, hadamard=True))
+    values = _bits(one_shot.dequantize_rotate_reference(packed, **codec))
     end = min(1000, start + rows * 64)
     np.testing.assert_array_equal(got[start:end], values.reshape(-1)[: max(0, end - start)])
     if not fresh:  # the rest of the buffer is kept; a fresh one's rest is unset
@@ -297,6 +302,10 @@ _DECODE_INTO = dict(
         (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(out=jnp.zeros(9)), "bf16"),
         (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(packed=jnp.zeros((2, 67), jnp.uint8)),
          "whole rows"),
+        (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(scale_dtype="bfloat16"),
+         "whole rows of 64 codes \\+ a bfloat16 scale"),
+        (one_shot.dequantize_rotate_into, _DECODE_INTO, dict(scale_dtype="float16"), "scale_dtype"),
+        (one_shot.rotate_quantize_rows, _QUANTIZE_ROWS, dict(scale_dtype="int8"), "scale_dtype"),
     ],
 )  # fmt: skip
 def test_slices_of_a_message_reject_bad_input_clearly(function, defaults, bad, match):

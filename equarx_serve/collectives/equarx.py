@@ -10,7 +10,7 @@ Algorithm (inside `jax.shard_map`, over one mesh axis of N devices):
   3. Quantize blocks of B elements: int8 values plus one scale per block (symmetric absmax,
      round to nearest, clamp to [-127, 127], floored; f32, or bf16 rounded up with
      `scale_dtype="bfloat16"`). Where not given, B and the scale dtype follow the schedule
-     (`CODEC_BY_SCHEDULE`): 64 and f32 for one-shot, 32 and bf16 for two-shot and ring.
+     (`CODEC_BY_SCHEDULE`): 64 and bf16 for one-shot, 32 and bf16 for two-shot and ring.
      Every receiver dequantizes and accumulates in f32; nothing is ever summed in int8. The
      schedules (`schedule`, see `ring.py`):
        "one-shot": every device sends its whole quantized message to every other; each sums
@@ -45,7 +45,7 @@ Quantize/dequantize-accumulate is one fused step (`kernels/block_quantize.py`): 
 on TPU/GPU (`kernel="auto"` or `"pallas"`; interpreted on CPU) or the same math in `jnp`, which
 XLA fuses, on CPU (`kernel="auto"` or `"jnp"`). On CPU with `kernel="auto"`, where the kernels
 build with AVX-512 (`kernels/one_shot.py`, built on first use), native kernels run instead:
-  one-shot (the N = 2 default: bf16 messages, f32 scales, rotation groups of one block; also
+  one-shot (the N = 2 default: bf16 messages, rotation groups of one block; also
   without a rotation, then bit-identical to XLA's ops): one kernel rotates (a fast
   Walsh-Hadamard transform, not XLA's dense [B, B] product), quantizes and writes the packed
   payload of a lane, reading it straight from the message; the other decodes the all-gathered
@@ -66,8 +66,8 @@ the others' in those bits.
 Cost in bytes each device puts on the wire, for L elements (padded to L') and scales of c bytes:
     2 (N-1)/N * L' * (1 + c/B)          ring, two-shot, and one-shot at N = 2
     (N-1) * L' * (1 + c/B)              one-shot
-  e.g. B = 64, c = 4 or B = 32, c = 2 (the defaults): 0.531x of a 16-bit ring, 0.266x of f32;
-  B = 256, c = 4: 0.508x.
+  e.g. B = 64, c = 2 (the one-shot default): 0.516x of a 16-bit ring; B = 32, c = 2 (the
+  two-shot default) or B = 64, c = 4: 0.531x, 0.266x of f32; B = 256, c = 4: 0.508x.
 
 Non-finite inputs: a NaN or Inf element is carried as the int8 code -128 and comes out as NaN
 in that output element only (its block's other elements keep their precision). With the
@@ -107,15 +107,17 @@ KERNELS = ("auto", "pallas", "jnp")
 SCALE_DTYPES = ("float32", "bfloat16")
 # 16-bit scales travel as raw bits: XLA:CPU would widen a bfloat16 collective to f32.
 _SCALE_WIRE = {"float32": None, "bfloat16": jnp.uint16}
-# The default codec (block size, scale dtype) of each schedule, where the caller gives none:
-# equal wire bytes (1.0625 per element, 0.531x a 16-bit ring), chosen on Gemma 3 270M
-# (`equarx-serve eval`, README "Quality"). One-shot quantizes each element once: block 64 with
-# f32 scales (TP = 2: KL 1.68-1.77x the float32 model's floor). Two-shot quantizes it twice, the
-# second time in a sum N times the variance: block 32 with bf16 scales shrinks that error
-# (TP = 4, Python source, 16 windows: KL 1.92x the floor's vs 2.04x for block 64 + f32 scales;
-# default corpus 1.91x both, top-1 0.2 points closer to the floor's).
+# The default codec (block size, scale dtype) of each schedule, where the caller gives none,
+# chosen on Gemma 3 270M (`equarx-serve eval`, README "Quality"). One-shot quantizes each
+# element once: block 64 with bf16 scales, 1.03125 bytes per element (0.516x a 16-bit ring; f32
+# scales: 1.0625, KL 1.68-1.77x the float32 model's floor at TP = 2). The bf16 scale is the f32
+# one rounded up, a step at most 2^-8 coarser, and on 2 emulated hosts at 1 Gbit/s the 3% fewer
+# bytes measured 85.5 vs 90.7 ms (16 MiB) and 349 vs 356 ms (64 MiB). Two-shot quantizes it
+# twice, the second time in a sum N times the variance: block 32 with bf16 scales (1.0625 bytes)
+# shrinks that error (TP = 4, Python source, 16 windows: KL 1.92x the floor's vs 2.04x for
+# block 64 + f32 scales; default corpus 1.91x both, top-1 0.2 points closer to the floor's).
 CODEC_BY_SCHEDULE = {
-    "one-shot": (64, "float32"),
+    "one-shot": (64, "bfloat16"),
     "two-shot": (32, "bfloat16"),
     "ring": (32, "bfloat16"),
 }
@@ -200,8 +202,8 @@ class EquarxInt8(RingAllReduce):
     AUTO_SLICE_BELOW_BITS_PER_S: ClassVar[float] = 1.2e9
 
     # The codec, where not given (None): chosen by the schedule the axis size runs
-    # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with float32 scales for one-shot (N = 2),
-    # block 32 with bfloat16 scales for two-shot and ring (same wire bytes, 1.0625 per element).
+    # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with bfloat16 scales for one-shot (N = 2,
+    # 1.03125 bytes per element), block 32 with bfloat16 scales for two-shot and ring (1.0625).
     # A block_size given without a scale_dtype has float32 scales.
     block_size: int | None = None
     # bfloat16: 2 scale bytes per block instead of 4 (block 32 + bfloat16 sends what block 64 +
@@ -469,15 +471,14 @@ class EquarxInt8(RingAllReduce):
         """Whether one-shot runs as the native kernels of `kernels/one_shot.py` (rotate and
         quantize into the packed payload; decode, sum, rotate back and cast straight from the
         all-gathered bytes): `kernel="auto"` on CPU where they build with AVX-512, bf16 in and
-        out, f32 scales, no rotation or rotation groups of one block with the inverse on the
-        values (module doc)."""
+        out, f32 or bf16 scales, no rotation or rotation groups of one block with the inverse
+        on the values (module doc)."""
         rotation = self.input_rotation
         return (
             self.kernel == "auto"
             and self.schedule_for(axis_size) == "one-shot"
             and not self.inverse_on_codes(axis_size)
             and jnp.dtype(dtype) == jnp.bfloat16
-            and self.scale_dtype == "float32"
             and (rotation is None or rotation.block == self.block_size)
             and one_shot.pays(self.block_size)
         )
@@ -545,10 +546,20 @@ class EquarxInt8(RingAllReduce):
         block = self.block_size
         return PackedOneShot(
             encode=lambda flat, start, rows: one_shot.rotate_quantize_rows(
-                flat, block=block, start=start, rows=rows, hadamard=rotate_input and rotated
+                flat,
+                block=block,
+                start=start,
+                rows=rows,
+                hadamard=rotate_input and rotated,
+                scale_dtype=self.scale_dtype,
             ),
             combine=lambda out, gathered, start: one_shot.dequantize_rotate_into(
-                out, gathered, block=block, start=start, hadamard=rotated
+                out,
+                gathered,
+                block=block,
+                start=start,
+                hadamard=rotated,
+                scale_dtype=self.scale_dtype,
             ),
         )
 

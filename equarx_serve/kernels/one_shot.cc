@@ -24,8 +24,9 @@
 //   v[m, :]   = sum_k codes[k, m, :] * scales[k, m]        in f32, k = 0, 1, ..., K-1 in order
 //   out[m, :] = bf16(H_B v[m, :] / sqrt(B))                 (hadamard = 1; else bf16(v[m, :]))
 //
-// The K payloads arrive as all-gathered bytes, packed [K, M * B + 4 * M] u8: payload k is its
-// codes int8 [M, B] then its scales f32 [M] (native byte order). B (attribute `block`) a power
+// The K payloads arrive as all-gathered bytes, packed [K, M * (B + S)] u8: payload k is its
+// codes int8 [M, B] then its scales [M], f32 (S = 4, native byte order) or bf16 bits (S = 2,
+// attribute `scale_bytes`). B (attribute `block`) a power
 // of two from 2 to 256. out bf16 is read flat: row m goes to its elements start + m B .. (those
 // past its end dropped), the rest of out is not written; DequantizeRotateInto takes out as an
 // operand that XLA aliases to the result, so a message's slices fill one buffer. The
@@ -36,7 +37,7 @@
 // rounds to nearest even, NaN stays NaN. No fused multiply-adds (-ffp-contract=off), so every
 // build gives the same bits.
 //
-// Cost: K * M * (B + 4) bytes read, 2 * M * B written; per element K multiplies, K - 1
+// Cost: K * M * (B + S) bytes read, 2 * M * B written; per element K multiplies, K - 1
 // adds and log2(B) adds. One pass over the data, a row at a time in a stack array: memory-bound
 // (XLA:CPU's dense [B, B] product by H costs B multiply-adds an element instead of log2(B)).
 
@@ -498,19 +499,21 @@ RowsFn RowsFor(int64_t block) {
 // elements): the rows up to out's end are written, the elements past it dropped (the message's
 // padding); nothing else of out is touched.
 ffi::Error DequantizeRotateAt(ffi::Buffer<ffi::U8> packed, uint16_t* out, int64_t size,
-                              int64_t block, int64_t hadamard, int64_t start) {
+                              int64_t block, int64_t scale_bytes, int64_t hadamard,
+                              int64_t start) {
   auto dims = packed.dimensions();
   RowsFn rows = block <= kMaxBlock ? RowsFor(block) : nullptr;
-  if (rows == nullptr) {
-    return ffi::Error::InvalidArgument("dequantize_rotate: block must be a power of two, 2 to 256");
+  if (rows == nullptr || (scale_bytes != 2 && scale_bytes != 4)) {
+    return ffi::Error::InvalidArgument(
+        "dequantize_rotate: want a power-of-two block of 2 to 256, scales of 2 or 4 bytes");
   }
-  const int64_t per_row = block + static_cast<int64_t>(sizeof(float));
+  const int64_t per_row = block + scale_bytes;
   if (dims.size() != 2 || dims[0] < 1 || dims[1] % per_row != 0) {
     return ffi::Error::InvalidArgument(
-        "dequantize_rotate: want packed payloads [K, M * (block + 4)] bytes, K >= 1");
+        "dequantize_rotate: want packed payloads [K, M * (block + scale bytes)] bytes, K >= 1");
   }
   if (start < 0) return ffi::Error::InvalidArgument("dequantize_rotate: want start >= 0");
-  Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block};
+  Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block, scale_bytes};
   const int64_t count = std::max<int64_t>(0, std::min(in.m * block, size - start));
   if (count == 0) return ffi::Error::Success();
   rows(in, out + start, dims[0], hadamard != 0, count / block);
@@ -524,16 +527,17 @@ ffi::Error DequantizeRotateAt(ffi::Buffer<ffi::U8> packed, uint16_t* out, int64_
 }
 
 ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
-                            int64_t block, int64_t hadamard, int64_t start) {
+                            int64_t block, int64_t scale_bytes, int64_t hadamard, int64_t start) {
   return DequantizeRotateAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
-                            static_cast<int64_t>(out->element_count()), block, hadamard, start);
+                            static_cast<int64_t>(out->element_count()), block, scale_bytes,
+                            hadamard, start);
 }
 
 // DequantizeRotate into `into`, which XLA aliases to the result (input_output_aliases): the
 // other elements keep into's values, so a message's slices fill one buffer without copies.
 ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF16> into,
                                 ffi::ResultBuffer<ffi::BF16> out, int64_t block,
-                                int64_t hadamard, int64_t start) {
+                                int64_t scale_bytes, int64_t hadamard, int64_t start) {
   if (into.element_count() != out->element_count()) {
     return ffi::Error::InvalidArgument("dequantize_rotate: into and out differ in size");
   }
@@ -541,7 +545,8 @@ ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF
     std::memcpy(out->untyped_data(), into.untyped_data(), into.size_bytes());
   }
   return DequantizeRotateAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
-                            static_cast<int64_t>(out->element_count()), block, hadamard, start);
+                            static_cast<int64_t>(out->element_count()), block, scale_bytes,
+                            hadamard, start);
 }
 
 using EachFn = void (*)(const Payloads&, uint16_t*, int64_t);
@@ -708,6 +713,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotate, DequantizeRotate,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block")
+                                  .Attr<int64_t>("scale_bytes")
                                   .Attr<int64_t>("hadamard")
                                   .Attr<int64_t>("start"));
 
@@ -717,5 +723,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotateInto, DequantizeRotateInto,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block")
+                                  .Attr<int64_t>("scale_bytes")
                                   .Attr<int64_t>("hadamard")
                                   .Attr<int64_t>("start"));

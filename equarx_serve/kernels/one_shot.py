@@ -9,6 +9,7 @@ encoded), `reduce_chunk` (the own chunk plus the received payloads, re-quantized
     out = one_shot.dequantize_rotate(gathered, block=B, hadamard=True)
     # gathered u8 [K, M * (B + 4)], K such payloads -> bf16 [M, B]:
     # out[m] = bf16(H_B (sum_k scales[k, m] * codes[k, m]) / sqrt(B))
+    # (both also with scale_dtype="bfloat16": 2-byte scales, rounded up)
 
     # The same on a slice of a message, in place: rows of B elements from element `start` of
     # the flat message (zeros past its end), decoded into the flat output from `start` on.
@@ -105,10 +106,14 @@ def pack(codes: jax.Array, scales: jax.Array) -> jax.Array:
     return jnp.concatenate(list(as_bytes), axis=1)
 
 
-def unpack(packed: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
-    """`pack`'s inverse: packed u8 [K, M * (B + 4)] -> (codes int8 [K, M, B], scales f32 [K, M])."""
-    _check_packed(packed, block)
-    return _split(packed, packed.shape[1] // (block + 4), block, "float32")
+def unpack(
+    packed: jax.Array, block: int, scale_dtype: str = "float32"
+) -> tuple[jax.Array, jax.Array]:
+    """`pack`'s inverse: packed u8 [K, M * (B + S)] -> (codes int8 [K, M, B], scales f32 [K, M]),
+    S the bytes of a `scale_dtype` scale."""
+    _check_packed(packed, block, scale_dtype)
+    rows = packed.shape[1] // (block + _SCALE_BYTES[scale_dtype])
+    return _split(packed, rows, block, scale_dtype)
 
 
 def _split(packed: jax.Array, m: int, block: int, scale_dtype: str) -> tuple[jax.Array, jax.Array]:
@@ -126,13 +131,15 @@ def _check_block(block: int) -> None:
         raise ValueError(f"block must be a power of two from 2 to {MAX_BLOCK}, got {block!r}")
 
 
-def _check_packed(packed: jax.Array, block: int) -> None:
+def _check_packed(packed: jax.Array, block: int, scale_dtype: str) -> None:
     _check_block(block)
+    _check_scale_dtype(scale_dtype)
     if packed.dtype != jnp.uint8 or packed.ndim != 2 or packed.shape[0] < 1:
         raise ValueError(f"want packed payloads u8 [K, bytes], got {packed.dtype} {packed.shape}")
-    if packed.shape[1] % (block + 4):
+    if packed.shape[1] % (block + _SCALE_BYTES[scale_dtype]):
         raise ValueError(
-            f"a payload of {packed.shape[1]} bytes is not whole rows of {block} codes + a scale"
+            f"a payload of {packed.shape[1]} bytes is not whole rows of {block} codes + a "
+            f"{scale_dtype} scale"
         )
 
 
@@ -157,11 +164,15 @@ def _walsh_hadamard(v: jax.Array) -> jax.Array:
     return v * (np.float32(1.0) / np.sqrt(np.float32(2.0))) if stage % 2 else v
 
 
-def rotate_quantize_reference(x: jax.Array, *, hadamard: bool) -> jax.Array:
-    """x bf16 [M, B] -> packed u8 [M * (B + 4)] (see the module doc), as jnp ops."""
+def rotate_quantize_reference(
+    x: jax.Array, *, hadamard: bool, scale_dtype: str = "float32"
+) -> jax.Array:
+    """x bf16 [M, B] -> packed u8 [M * (B + S)] (see the module doc), as jnp ops."""
     _check_rows(x)
+    _check_scale_dtype(scale_dtype)
     block = x.shape[1]
-    return _quantize_reference(x, block=block, group=block, hadamard=hadamard).reshape(-1)
+    codec = dict(block=block, group=block, hadamard=hadamard, scale_dtype=scale_dtype)
+    return _quantize_reference(x, **codec).reshape(-1)
 
 
 def _quantize_reference(
@@ -186,9 +197,11 @@ def _quantize_reference(
     return pack(codes.reshape(chunks, -1, block), scales.reshape(chunks, -1))
 
 
-def dequantize_rotate_reference(packed: jax.Array, *, block: int, hadamard: bool) -> jax.Array:
-    """packed u8 [K, M * (B + 4)] -> bf16 [M, B] (see the module doc), as jnp ops."""
-    codes, scales = unpack(packed, block)
+def dequantize_rotate_reference(
+    packed: jax.Array, *, block: int, hadamard: bool, scale_dtype: str = "float32"
+) -> jax.Array:
+    """packed u8 [K, M * (B + S)] -> bf16 [M, B] (see the module doc), as jnp ops."""
+    codes, scales = unpack(packed, block, scale_dtype)
     decoded = codes.astype(jnp.float32) * scales[..., None]
     decoded = jnp.where(codes == NONFINITE_CODE, jnp.nan, decoded)
     summed = functools.reduce(operator.add, [decoded[k] for k in range(codes.shape[0])])
@@ -306,13 +319,26 @@ def rotate_quantize(x: jax.Array, *, hadamard: bool) -> jax.Array:
 
 
 def rotate_quantize_rows(
-    x: jax.Array, *, block: int, start: int, rows: int, hadamard: bool
+    x: jax.Array,
+    *,
+    block: int,
+    start: int,
+    rows: int,
+    hadamard: bool,
+    scale_dtype: str = "float32",
 ) -> jax.Array:
     """`rotate_quantize` of `rows` rows of `block` elements of x (bf16, any shape, read flat)
     from element `start` on, zeros past x's end: a slice of a message (and its padding) encoded
-    straight from the message, with no copy of the slice. -> packed u8 [rows * (block + 4)]."""
+    straight from the message, with no copy of the slice, with `scale_dtype` scales (bfloat16:
+    rounded up). -> packed u8 [rows * (block + S)], S the scale's bytes."""
     packed = rotate_quantize_chunks(
-        x, block=block, start=start, rows=rows, chunks=1, hadamard=hadamard
+        x,
+        block=block,
+        start=start,
+        rows=rows,
+        chunks=1,
+        hadamard=hadamard,
+        scale_dtype=scale_dtype,
     )
     return packed.reshape(-1)
 
@@ -417,15 +443,30 @@ def quantizes_chunks(block: int, group: int) -> bool:
     return fits and jax.default_backend() == "cpu" and native and vectorized()
 
 
-def dequantize_rotate(packed: jax.Array, *, block: int, hadamard: bool) -> jax.Array:
-    """packed u8 [K, M * (B + 4)] -> bf16 [M, B]: the kernel on CPU where it is available, else
-    `dequantize_rotate_reference` (the same bits)."""
-    _check_packed(packed, block)
-    out = jax.ShapeDtypeStruct((packed.shape[1] // (block + 4), block), jnp.bfloat16)
-    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard), start=np.int64(0))
+def dequantize_rotate(
+    packed: jax.Array, *, block: int, hadamard: bool, scale_dtype: str = "float32"
+) -> jax.Array:
+    """packed u8 [K, M * (B + S)] (S the bytes of a `scale_dtype` scale) -> bf16 [M, B]: the
+    kernel on CPU where it is available, else `dequantize_rotate_reference` (the same bits)."""
+    _check_packed(packed, block, scale_dtype)
+    rows = packed.shape[1] // (block + _SCALE_BYTES[scale_dtype])
+    out = jax.ShapeDtypeStruct((rows, block), jnp.bfloat16)
+    attrs = _decode_attrs(block, scale_dtype, hadamard, start=0)
     native = functools.partial(_call, DEQUANTIZE, out=out, **attrs)
-    reference = functools.partial(dequantize_rotate_reference, block=block, hadamard=hadamard)
+    reference = functools.partial(
+        dequantize_rotate_reference, block=block, hadamard=hadamard, scale_dtype=scale_dtype
+    )
     return _native_or(reference, DEQUANTIZE, native, packed)
+
+
+def _decode_attrs(block: int, scale_dtype: str, hadamard: bool, start: int) -> dict:
+    """The attributes of the DEQUANTIZE kernels."""
+    return dict(
+        block=np.int64(block),
+        scale_bytes=np.int64(_SCALE_BYTES[scale_dtype]),
+        hadamard=np.int64(hadamard),
+        start=np.int64(start),
+    )
 
 
 def dequantize_rotate_into(
@@ -435,23 +476,27 @@ def dequantize_rotate_into(
     block: int,
     start: int,
     hadamard: bool,
+    scale_dtype: str = "float32",
 ) -> jax.Array:
     """out (bf16, any shape, `size` elements) with its elements start .. start + M B - 1 (read
-    flat; those past its end dropped) replaced by `dequantize_rotate(packed)`: a slice of a
+    flat; those past its end dropped) replaced by `dequantize_rotate(packed, ...)`: a slice of a
     message decoded straight into the message's buffer (XLA aliases out to the result, so no
     copy of either). `out` a ShapeDtypeStruct: a new buffer of that shape whose other elements
     are left unset (zeros without the kernel), for the first of the slices that fill it (a
     64 MiB buffer zeroed first costs ~30 ms on 2 processes here)."""
-    _check_packed(packed, block)
+    _check_packed(packed, block, scale_dtype)
     if out.dtype != jnp.bfloat16:
         raise ValueError(f"want out bf16, got {out.dtype}")
     _check_start(start)
-    attrs = dict(block=np.int64(block), hadamard=np.int64(hadamard), start=np.int64(start))
+    attrs = _decode_attrs(block, scale_dtype, hadamard, start)
     result = jax.ShapeDtypeStruct(out.shape, jnp.bfloat16)
+    decode = functools.partial(
+        dequantize_rotate_reference, block=block, hadamard=hadamard, scale_dtype=scale_dtype
+    )
 
     def reference(packed: jax.Array, out: jax.Array) -> jax.Array:
         flat = out.reshape(-1)
-        values = dequantize_rotate_reference(packed, block=block, hadamard=hadamard).reshape(-1)
+        values = decode(packed).reshape(-1)
         count = max(0, min(values.size, flat.size - start))
         return flat.at[start : start + count].set(values[:count]).reshape(out.shape)
 
