@@ -3,6 +3,7 @@ references, and in the all-reduce."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import jax
@@ -216,6 +217,39 @@ def test_without_a_rotation_the_kernels_give_the_xla_ops_bits(shape, slice_bytes
     np.testing.assert_array_equal(
         run_all_reduce(fast, x, n).view(np.uint16), run_all_reduce(slow, x, n).view(np.uint16)
     )
+
+
+def test_sliced_one_shot_decodes_each_lane_while_the_next_is_on_the_wire():
+    """XLA:CPU runs a program as a DAG whose edges include buffer reuse, and its collectives in
+    schedule order: the lanes must be all-gathered in the order their decodes are chained in,
+    and no all-gather may reuse a buffer an earlier decode reads (every all-gathered buffer is
+    held until the last decode), or the decodes wait for the transfers instead of overlapping
+    them."""
+    n, x = 2, np.zeros((2, 64, 640), jnp.bfloat16)
+    ar = get_all_reduce("equarx-int8", min_size_bytes=0, slice_bytes=8192)
+    assert ar.for_axis_size(n).slices_for(x[0].size, jnp.bfloat16, n) > 4
+    lines = lower_all_reduce(ar, x, n).split("ENTRY")[1].splitlines()
+    gathers = [line.split("=")[0].strip() for line in lines if " all-gather(" in line]
+    decodes = [line for line in lines if 'custom_call_target="equarx_dequantize_rotate' in line]
+    assert len(decodes) == len(gathers) > 4
+    calls = [re.sub(r"/\*.*?\*/", "", decode).split("custom-call(")[1] for decode in decodes]
+    operands = [call.split(")")[0].split(", ") for call in calls]
+    assert [first for first, *_ in operands] == gathers  # lane k's decode reads lane k's bytes
+    assert set(gathers) <= set(operands[-1])  # the last decode holds every lane's bytes
+
+
+def test_held_operands_change_nothing_and_need_an_out_array():
+    packed = one_shot.pack(*_payloads(2, 3, 64))
+    out = jnp.ones(300, jnp.bfloat16)
+    codec = dict(block=64, start=64, hadamard=True)
+    held = (jnp.zeros(5, jnp.uint8), jnp.ones((2, 3), jnp.float32))
+    decode = jax.jit(lambda p, o, *h: one_shot.dequantize_rotate_into(o, p, held=h, **codec))
+    want = one_shot.dequantize_rotate_into(out, packed, **codec)
+    np.testing.assert_array_equal(_bits(decode(packed, out, *held)), _bits(want))
+    with pytest.raises(ValueError, match="held"):
+        one_shot.dequantize_rotate_into(
+            jax.ShapeDtypeStruct(out.shape, out.dtype), packed, held=held, **codec
+        )
 
 
 # --- slices of a message, read and written in place --------------------------------------------

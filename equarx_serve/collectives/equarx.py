@@ -553,13 +553,14 @@ class EquarxInt8(RingAllReduce):
                 hadamard=rotate_input and rotated,
                 scale_dtype=self.scale_dtype,
             ),
-            combine=lambda out, gathered, start: one_shot.dequantize_rotate_into(
+            combine=lambda out, gathered, start, held: one_shot.dequantize_rotate_into(
                 out,
                 gathered,
                 block=block,
                 start=start,
                 hadamard=rotated,
                 scale_dtype=self.scale_dtype,
+                held=held,
             ),
         )
 

@@ -144,13 +144,13 @@ class PackedOneShot:
     itself (no lanes are copied out of it or stacked back): `encode(flat, start, rows)` maps
     rows of B elements of the flat message from element `start` on (zeros past its end: the
     padding) to their payload as `pack_payload` lays it out (what `prepare`, the codec and the
-    packing would give); `combine(out, gathered, start)` returns the flat output `out` with the
-    lane's outputs written from element `start` (those past the end dropped), from the
+    packing would give); `combine(out, gathered, start, held)` returns the flat output `out`
+    with the lane's outputs written from element `start` (those past the end dropped), from the
     all-gathered bytes [N (source rank), bytes] (what decoding, the sum in rank order and
-    `finish` would give)."""
+    `finish` would give), holding the arrays `held` live until then without reading them."""
 
     encode: Callable[[jax.Array, int, int], jax.Array]
-    combine: Callable[[jax.Array, jax.Array, int], jax.Array]
+    combine: Callable[[jax.Array, jax.Array, int, tuple[jax.Array, ...]], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,16 +382,29 @@ def packed_one_shot_all_reduce(
     itself: lane k (elements k L .. (k + 1) L - 1 of the flat message, L = N R B) is encoded
     from x, all-gathered and combined into one output buffer, so no lane is copied out of x
     and no result is stacked back (at 64 MiB in 68 lanes on 2 processes those copies cost more
-    than the kernels: 183 vs 119 ms for all of the lanes' compute)."""
+    than the kernels: 183 vs 119 ms for all of the lanes' compute).
+
+    XLA:CPU runs a program as a DAG of its operations whose edges include reuse of a buffer by
+    a later operation, and collectives one at a time in the order the scheduler chose. So the
+    lanes are all-gathered in lane order (each payload behind the previous all-gather, by an
+    optimization barrier: the scheduler had put them in reverse, and the decodes, chained
+    through `out` from lane 0 on, all waited for the last one), and every all-gathered buffer
+    is held until the last decode (else lane k + 1's all-gather reused lane k's buffer and
+    waited for lane k's decode): lane k decodes while lane k + 1 is on the wire."""
     flat = x.reshape(-1)
     lanes = layout.directions * layout.num_slices
     lane_size = layout.padded_size // lanes
     out = jax.ShapeDtypeStruct(flat.shape, flat.dtype)  # lane 0's combine creates it
+    gathered: list[jax.Array] = []
     with jax.named_scope("one_shot_all_gather"):
         for lane in range(lanes):
             start = lane * lane_size
             payload = packed.encode(flat, start, lane_size // layout.block_size)
-            out = packed.combine(out, lax.all_gather(payload, axis_name), start)
+            if gathered:
+                payload, _ = lax.optimization_barrier((payload, gathered[-1]))
+            gathered.append(lax.all_gather(payload, axis_name))
+            held = tuple(gathered[:-1]) if lane == lanes - 1 else ()
+            out = packed.combine(out, gathered[-1], start, held)
     return out.reshape(x.shape)
 
 

@@ -535,7 +535,9 @@ ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
 
 // DequantizeRotate into `into`, which XLA aliases to the result (input_output_aliases): the
 // other elements keep into's values, so a message's slices fill one buffer without copies.
+// Operands after `into` are only held (not read): buffers the caller keeps live until here.
 ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF16> into,
+                                ffi::RemainingArgs /*held*/,
                                 ffi::ResultBuffer<ffi::BF16> out, int64_t block,
                                 int64_t scale_bytes, int64_t hadamard, int64_t start) {
   if (into.element_count() != out->element_count()) {
@@ -721,6 +723,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotateInto, DequantizeRotateInto,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("scale_bytes")

@@ -477,13 +477,16 @@ def dequantize_rotate_into(
     start: int,
     hadamard: bool,
     scale_dtype: str = "float32",
+    held: Sequence[jax.Array] = (),
 ) -> jax.Array:
     """out (bf16, any shape, `size` elements) with its elements start .. start + M B - 1 (read
     flat; those past its end dropped) replaced by `dequantize_rotate(packed, ...)`: a slice of a
     message decoded straight into the message's buffer (XLA aliases out to the result, so no
     copy of either). `out` a ShapeDtypeStruct: a new buffer of that shape whose other elements
     are left unset (zeros without the kernel), for the first of the slices that fill it (a
-    64 MiB buffer zeroed first costs ~30 ms on 2 processes here)."""
+    64 MiB buffer zeroed first costs ~30 ms on 2 processes here). `held`: arrays the kernel
+    takes as operands without reading them, so that XLA keeps their buffers until this call
+    (`ring.packed_one_shot_all_reduce`); not with a ShapeDtypeStruct `out`."""
     _check_packed(packed, block, scale_dtype)
     if out.dtype != jnp.bfloat16:
         raise ValueError(f"want out bf16, got {out.dtype}")
@@ -501,11 +504,14 @@ def dequantize_rotate_into(
         return flat.at[start : start + count].set(values[:count]).reshape(out.shape)
 
     if isinstance(out, jax.ShapeDtypeStruct):
+        if held:
+            raise ValueError("held needs an out array, not a ShapeDtypeStruct")
         native = functools.partial(_call, DEQUANTIZE, out=result, **attrs)
         fresh = lambda packed: reference(packed, jnp.zeros(out.shape, out.dtype))
         return _native_or(fresh, DEQUANTIZE, native, packed)
     native = functools.partial(_call, DEQUANTIZE_INTO, out=result, aliases={1: 0}, **attrs)
-    return _native_or(reference, DEQUANTIZE_INTO, native, packed, out)
+    with_held = lambda packed, out, *held: reference(packed, out)
+    return _native_or(with_held, DEQUANTIZE_INTO, native, packed, out, *held)
 
 
 def _check_scale_dtype(scale_dtype: str) -> None:
