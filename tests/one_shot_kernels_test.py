@@ -440,6 +440,37 @@ def test_two_shot_equarx_decodes_with_the_kernel_only_where_it_applies():
     assert target not in lower_all_reduce(default, x.astype(np.float32), n)  # f32 out
 
 
+def test_sliced_two_shot_runs_its_collectives_in_pipelined_order_and_holds_its_buffers():
+    """As for one-shot: lane k's permutes, then lane k - 1's all-gather, in the schedule, and
+    the last decode holds every received and all-gathered buffer, so that a lane's reduce and
+    decode overlap the next lane's transfers (XLA:CPU: see the one-shot test above)."""
+    n, x = 4, np.zeros((4, 64, 640), jnp.bfloat16)
+    ar = get_all_reduce("equarx-int8", min_size_bytes=0, num_slices=3)
+    if not (one_shot.quantizes_chunks(32, 64) and one_shot.decodes_each(32, 64)):
+        pytest.skip("the two-shot kernels do not run on this CPU")
+    lines = lower_all_reduce(ar, x, n).split("ENTRY")[1].splitlines()
+    kinds = [
+        kind for line in lines for kind in ("all-gather(", "collective-permute(") if kind in line
+    ]
+    permutes, gather = "collective-permute(", "all-gather("
+    assert kinds == [permutes] * 3 + ([permutes] * 3 + [gather]) * 2 + [gather]
+    names = {line.split("=")[0].strip() for line in lines if any(k in line for k in kinds)}
+    decodes = [
+        line for line in lines if f'custom_call_target="{one_shot.DECODE_EACH.target}"' in line
+    ]
+    assert len(decodes) == 3
+    held = re.sub(r"/\*.*?\*/", "", decodes[-1]).split("custom-call(")[1].split(")")[0]
+    assert names <= set(held.split(", "))
+
+
+def test_held_operands_of_the_each_decode_change_nothing():
+    packed = jnp.asarray(_chunks(2, 4, 32, "bfloat16"))
+    codec = dict(block=32, group=64, scale_dtype="bfloat16")
+    held = (jnp.zeros(3, jnp.uint8),)
+    got = jax.jit(lambda p, h: one_shot.decode_rotate_each(p, held=(h,), **codec))(packed, *held)
+    np.testing.assert_array_equal(_bits(got), _bits(one_shot.decode_rotate_each(packed, **codec)))
+
+
 # --- two-shot's reduce-scatter: every chunk encoded, the own chunk reduced ----------------------
 
 

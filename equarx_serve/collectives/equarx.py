@@ -236,11 +236,13 @@ class EquarxInt8(RingAllReduce):
     # N); "ring" keeps every transfer to a neighbour (TPU torus). See ring.py.
     schedule: Literal["auto", "ring", "two-shot", "one-shot"] = "auto"
     # Pipelining (num_slices lanes, each rotated, quantized, all-gathered and summed on its
-    # own): on loopback more lanes measured slower (more, smaller ops and collectives on 2
-    # cores); on 2 emulated hosts at 1 Gbit/s (16 MiB, 2 shared cores) 1, 2 and 4 slices were
-    # within the run-to-run noise (+-30%): XLA:CPU overlaps a gloo collective with independent
-    # compute only partly. Default 1 for CPU hosts; on accelerators with async collectives try
-    # num_slices=2-4 (and bidirectional=True with schedule="ring").
+    # own; their collectives ordered so that one lane's compute overlaps the next lane's
+    # transfers, `ring.py`): on loopback more lanes measured slower (more, smaller ops and
+    # collectives on 2 cores). Two-shot on 4 emulated hosts at 1 Gbit/s (2026-12-04, the
+    # model's form): 4 lanes 8 MiB 67 vs 77 ms, 16 MiB 145-148 vs 161 ms, but 2.5 MiB 35 vs
+    # 22 ms, 32 MiB 333 vs 329 ms and 64 MiB 678-684 vs 660-676 ms; 3 and 6 lanes slower at
+    # every size. So 1 by default (N = 2 slices by `slice_bytes`); on accelerators with async
+    # collectives try num_slices=2-4 (and bidirectional=True with schedule="ring").
     bidirectional: bool = False
     num_slices: int = 1
     # With slice_bytes > 0, more slices where a message needs them so that a device sends at
@@ -434,8 +436,12 @@ class EquarxInt8(RingAllReduce):
         if self._encodes_natively(x.dtype, axis_size):
             encoder = self._two_shot_kernels(rotate_input=rotate_input)
         if self._decodes_natively(x.dtype, axis_size):
-            decode = lambda gathered: one_shot.decode_rotate_each(
-                gathered, block=self.block_size, group=rotation.block, scale_dtype=self.scale_dtype
+            decode = lambda gathered, held: one_shot.decode_rotate_each(
+                gathered,
+                block=self.block_size,
+                group=rotation.block,
+                scale_dtype=self.scale_dtype,
+                held=held,
             )
             return self.ring_reduce(
                 x,

@@ -136,6 +136,8 @@ def _shift_perm(axis_size: int, shift: int) -> list[tuple[int, int]]:
 
 LaneFn = Callable[[jax.Array], jax.Array]
 PayloadFn = Callable[[Payload], jax.Array]
+# all-gathered bytes, and arrays to hold live until the call without reading them -> a lane
+GatheredFn = Callable[[jax.Array, tuple[jax.Array, ...]], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +179,7 @@ def pipelined_all_reduce(
     prepare: LaneFn | None = None,
     decode: PayloadFn | None = None,
     finish: LaneFn | None = None,
-    decode_gathered: LaneFn | None = None,
+    decode_gathered: GatheredFn | None = None,
     native: NativeTwoShot | None = None,
 ) -> jax.Array:
     """All-reduce `lanes` [D, S, N, R, B] over `axis_name`; returns [D, S, N, R, B] out_dtype.
@@ -188,10 +190,11 @@ def pipelined_all_reduce(
     returns for each source's payload: e.g. the inverse rotation applied to int8 codes); and
     `finish` maps each reduced lane of those values to the output in `out_dtype` (e.g. the
     inverse rotation). All per lane, so lane k's transforms can overlap lane k+1's transfer.
-    Two-shot only: `decode_gathered` replaces `decode` and `finish` of the all-gathered
-    payloads by one kernel on their bytes (u8 [N, bytes] as `pack_payload` lays each out ->
-    [N, R, B] out_dtype); and `native` replaces `prepare` and the codec in the reduce-scatter
-    by its kernels (the payloads travel as their bytes).
+    Two-shot only: `decode_gathered(gathered, held)` replaces `decode` and `finish` of the
+    all-gathered payloads by one kernel on their bytes (u8 [N, bytes] as `pack_payload` lays
+    each out -> [N, R, B] out_dtype), holding the arrays `held` live until then; and `native`
+    replaces `prepare` and the codec in the reduce-scatter by its kernels (the payloads travel
+    as their bytes). With both, `_native_two_shot_all_reduce` runs it.
     """
     num_dirs, num_slices, n = lanes.shape[:3]
     index = lax.axis_index(axis_name)
@@ -213,6 +216,8 @@ def pipelined_all_reduce(
     for hook, name in ((decode_gathered, "decode_gathered"), (native, "native")):
         if hook is not None and schedule != "two-shot":
             raise ValueError(f"{name} is for the two-shot schedule, not {schedule!r}")
+    if native is not None and decode_gathered is not None:
+        return _native_two_shot_all_reduce(lanes, axis_name, native, decode_gathered)
     # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
     payload: dict[tuple[int, int], Payload] = {}
     owned: dict[tuple[int, int], jax.Array] = {}
@@ -271,7 +276,7 @@ def pipelined_all_reduce(
         elif decode_gathered is not None:  # the kernel, on the bytes as they arrive
             with jax.named_scope("all_gather"):
                 gathered = lax.all_gather(pack_payload(payload[key]), axis_name)
-            decoded[key] = decode_gathered(gathered)
+            decoded[key] = decode_gathered(gathered, ())
             continue
         else:
             with jax.named_scope("all_gather"):
@@ -280,6 +285,61 @@ def pipelined_all_reduce(
     return jnp.stack(
         [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
     )
+
+
+def _native_two_shot_all_reduce(
+    lanes: jax.Array, axis_name: str, native: NativeTwoShot, decode_gathered: GatheredFn
+) -> jax.Array:
+    """Two-shot on bytes (`native`'s kernels, then `decode_gathered`), its collectives in a
+    pipelined order: lane k's N - 1 reduce-scatter permutes, then lane k - 1's all-gather, so
+    that lane k - 1's reduce runs while lane k's permutes are on the wire and its decode while
+    lane k + 1's are. As in `packed_one_shot_all_reduce`, XLA:CPU runs collectives one at a
+    time in schedule order and a buffer's reuse is an edge of its DAG: each collective is put
+    behind the previous one (an optimization barrier), and every received and all-gathered
+    buffer is held until the last decode, else a lane's collective waited for the previous
+    lane's compute."""
+    num_dirs, num_slices, n, rows = lanes.shape[:4]
+    lane_size = n * rows * lanes.shape[4]
+    index = lax.axis_index(axis_name)
+    held: list[jax.Array] = []
+    last: list[jax.Array] = []  # the latest collective's result
+
+    def in_order(operand: jax.Array) -> jax.Array:
+        if last:
+            operand, _ = lax.optimization_barrier((operand, last[-1]))
+        return operand
+
+    def all_gather(reduced: jax.Array, *, final: bool) -> jax.Array:
+        gathered = lax.all_gather(in_order(reduced), axis_name)
+        last.append(gathered)
+        decoded = decode_gathered(gathered, tuple(held) if final else ())
+        held.append(gathered)
+        return decoded
+
+    decoded, pending = [], None  # pending: the previous lane's reduced payload
+    for d in range(num_dirs):
+        dr = 1 if d == 0 else -1
+        for s in range(num_slices):
+            start = (d * num_slices + s) * lane_size
+            sent = native.encode(lanes, start, rows)
+            received = []
+            with jax.named_scope("two_shot_reduce_scatter"):
+                for shift in range(1, n):
+                    target = (index + dr * shift) % n
+                    outgoing = lax.dynamic_index_in_dim(sent, target, 0, keepdims=False)
+                    received.append(
+                        lax.ppermute(in_order(outgoing), axis_name, _shift_perm(n, dr * shift))
+                    )
+                    last.append(received[-1])
+            held += received
+            own = start + index * (lane_size // n)
+            if pending is not None:
+                with jax.named_scope("all_gather"):
+                    decoded.append(all_gather(pending, final=False))
+            pending = native.reduce(lanes, own, rows, received)
+    with jax.named_scope("all_gather"):
+        decoded.append(all_gather(pending, final=True))
+    return jnp.stack(decoded).reshape(lanes.shape[:2] + decoded[0].shape)
 
 
 def _unpack_like(packed: jax.Array, codec: Codec, chunk_shape: tuple[int, ...]) -> Payload:

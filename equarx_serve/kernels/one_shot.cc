@@ -572,8 +572,10 @@ EachFn EachFor(int64_t group, int64_t block) {
   }
 }
 
-ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::BF16> out,
-                            int64_t block, int64_t group, int64_t scale_bytes) {
+// Operands after `packed` are only held (not read), as in DequantizeRotateInto.
+ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::RemainingArgs /*held*/,
+                            ffi::ResultBuffer<ffi::BF16> out, int64_t block, int64_t group,
+                            int64_t scale_bytes) {
   auto dims = packed.dimensions();
   const bool blocks_fit = block >= 1 && group % block == 0 && !(block & (block - 1));
   EachFn each = blocks_fit && group <= kMaxBlock ? EachFor(group, block) : nullptr;
@@ -705,6 +707,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxReduceChunk, ReduceChunk,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEach, DecodeRotateEach,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::U8>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("group")

@@ -247,11 +247,18 @@ def decodes_each(block: int, group: int) -> bool:
     return fits and jax.default_backend() == "cpu" and DECODE_EACH.available() and vectorized()
 
 
-def decode_rotate_each(packed: jax.Array, *, block: int, group: int, scale_dtype: str) -> jax.Array:
+def decode_rotate_each(
+    packed: jax.Array,
+    *,
+    block: int,
+    group: int,
+    scale_dtype: str,
+    held: Sequence[jax.Array] = (),
+) -> jax.Array:
     """Two-shot's last step: packed u8 [K, M * (B + S)] (K all-gathered chunk payloads, codes
     then scales) -> bf16 [K, M, B], each chunk decoded and rotated back in groups of `group`:
     the kernel on CPU where it is available, else `decode_rotate_each_reference` (the same
-    bits)."""
+    bits). `held`: arrays the kernel takes without reading them, as `dequantize_rotate_into`."""
     k, m = _each_rows(packed, block, group, scale_dtype)
     out = jax.ShapeDtypeStruct((k, m, block), jnp.bfloat16)
     attrs = dict(
@@ -260,10 +267,9 @@ def decode_rotate_each(packed: jax.Array, *, block: int, group: int, scale_dtype
         scale_bytes=np.int64(_SCALE_BYTES[scale_dtype]),
     )
     native = functools.partial(_call, DECODE_EACH, out=out, **attrs)
-    reference = functools.partial(
-        decode_rotate_each_reference, block=block, group=group, scale_dtype=scale_dtype
-    )
-    return _native_or(reference, DECODE_EACH, native, packed)
+    codec = dict(block=block, group=group, scale_dtype=scale_dtype)
+    reference = lambda packed, *held: decode_rotate_each_reference(packed, **codec)
+    return _native_or(reference, DECODE_EACH, native, packed, *held)
 
 
 def pays(block: int) -> bool:
