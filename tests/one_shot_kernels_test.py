@@ -222,9 +222,9 @@ def test_without_a_rotation_the_kernels_give_the_xla_ops_bits(shape, slice_bytes
 def test_sliced_one_shot_decodes_each_lane_while_the_next_is_on_the_wire():
     """XLA:CPU runs a program as a DAG whose edges include buffer reuse, and its collectives in
     schedule order: the lanes must be all-gathered in the order their decodes are chained in,
-    and no all-gather may reuse a buffer an earlier decode reads (every all-gathered buffer is
-    held until the last decode), or the decodes wait for the transfers instead of overlapping
-    them."""
+    no all-gather may reuse a buffer an earlier decode reads (every all-gathered buffer is held
+    until the last decode), and the encoders run one after another (each holds the previous
+    payload), or the decodes wait for the transfers, or the first transfer for every encoder."""
     n, x = 2, np.zeros((2, 64, 640), jnp.bfloat16)
     ar = get_all_reduce("equarx-int8", min_size_bytes=0, slice_bytes=8192)
     assert ar.for_axis_size(n).slices_for(x[0].size, jnp.bfloat16, n) > 4
@@ -236,6 +236,15 @@ def test_sliced_one_shot_decodes_each_lane_while_the_next_is_on_the_wire():
     operands = [call.split(")")[0].split(", ") for call in calls]
     assert [first for first, *_ in operands] == gathers  # lane k's decode reads lane k's bytes
     assert set(gathers) <= set(operands[-1])  # the last decode holds every lane's bytes
+    encoders = {  # lane k + 1's encoder holds lane k's payload: the encoders run in lane order
+        line.split("=")[0].strip(): re.sub(r"/\*.*?\*/", "", line).split("custom-call(")[1]
+        for line in lines
+        if f'custom_call_target="{one_shot.QUANTIZE.target}"' in line
+    }
+    held_payloads = [call.split(")")[0].split(", ")[1:] for call in encoders.values()]
+    assert sorted(len(held) for held in held_payloads) == [0] + [1] * (len(gathers) - 1)
+    bitcasts = dict(re.findall(r"(%bitcast[.\d]*) = \S+ bitcast\((%[\w.]+)\)", "\n".join(lines)))
+    assert {bitcasts.get(name, name) for held in held_payloads for name in held} < set(encoders)
 
 
 def test_held_operands_change_nothing_and_need_an_out_array():

@@ -551,13 +551,14 @@ class EquarxInt8(RingAllReduce):
         rotated = self.input_rotation is not None
         block = self.block_size
         return PackedOneShot(
-            encode=lambda flat, start, rows: one_shot.rotate_quantize_rows(
+            encode=lambda flat, start, rows, held: one_shot.rotate_quantize_rows(
                 flat,
                 block=block,
                 start=start,
                 rows=rows,
                 hadamard=rotate_input and rotated,
                 scale_dtype=self.scale_dtype,
+                held=held,
             ),
             combine=lambda out, gathered, start, held: one_shot.dequantize_rotate_into(
                 out,

@@ -600,9 +600,10 @@ ffi::Error DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::RemainingArgs /*he
 // scale_bytes)): chunk c holds x's elements start + c M block .. (x read flat, zeros past its
 // end), rotated in groups of `group` elements (hadamard; group a multiple of block dividing
 // M block), as codes int8 [M, block] then scales [M] (f32, or bfloat16 rounded up).
-ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::ResultBuffer<ffi::U8> out,
-                          int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard,
-                          int64_t start, int64_t chunks) {
+// Operands after x are only held (not read), as in DequantizeRotateInto.
+ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs /*held*/,
+                          ffi::ResultBuffer<ffi::U8> out, int64_t block, int64_t group,
+                          int64_t scale_bytes, int64_t hadamard, int64_t start, int64_t chunks) {
   const int64_t total = static_cast<int64_t>(out->element_count());
   const int64_t per_chunk = chunks >= 1 && total % chunks == 0 ? total / chunks : -1;
   QuantizeFn quantize = per_chunk >= 0 ? QuantizeLayout(block, group, scale_bytes, per_chunk)
@@ -685,6 +686,7 @@ extern "C" int EquarxOneShotVectorized() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxRotateQuantize, RotateQuantize,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::U8>>()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("group")

@@ -332,11 +332,13 @@ def rotate_quantize_rows(
     rows: int,
     hadamard: bool,
     scale_dtype: str = "float32",
+    held: Sequence[jax.Array] = (),
 ) -> jax.Array:
     """`rotate_quantize` of `rows` rows of `block` elements of x (bf16, any shape, read flat)
     from element `start` on, zeros past x's end: a slice of a message (and its padding) encoded
     straight from the message, with no copy of the slice, with `scale_dtype` scales (bfloat16:
-    rounded up). -> packed u8 [rows * (block + S)], S the scale's bytes."""
+    rounded up). -> packed u8 [rows * (block + S)], S the scale's bytes. `held`: arrays the
+    kernel takes without reading them, as `dequantize_rotate_into`."""
     packed = rotate_quantize_chunks(
         x,
         block=block,
@@ -345,6 +347,7 @@ def rotate_quantize_rows(
         chunks=1,
         hadamard=hadamard,
         scale_dtype=scale_dtype,
+        held=held,
     )
     return packed.reshape(-1)
 
@@ -359,6 +362,7 @@ def rotate_quantize_chunks(
     hadamard: bool,
     group: int | None = None,
     scale_dtype: str = "float32",
+    held: Sequence[jax.Array] = (),
 ) -> jax.Array:
     """`chunks` payloads of `rows` rows of `block` elements each, from x (bf16, any shape,
     read flat): payload c holds the elements start + c * rows * block on (zeros past x's end),
@@ -366,7 +370,8 @@ def rotate_quantize_chunks(
     `scale_dtype` scales (bfloat16: rounded up) -> packed u8 [chunks, rows * (block + S)] (S the
     scale's bytes; codes, then scales, as `ring.pack_payload` lays out a payload). Two-shot's
     chunks of a lane in one pass, from the message itself. The kernel on CPU where it is
-    available, else the same arithmetic as jnp ops (the same bits)."""
+    available, else the same arithmetic as jnp ops (the same bits). `held`: arrays the kernel
+    takes without reading them, as `dequantize_rotate_into`."""
     group = group or block
     _check_chunks(x, block, group, scale_dtype, start, rows, chunks)
     codec = dict(block=block, group=group, hadamard=hadamard, scale_dtype=scale_dtype)
@@ -382,13 +387,13 @@ def rotate_quantize_chunks(
     )
     native = functools.partial(_call, QUANTIZE, out=out, **attrs)
 
-    def reference(x: jax.Array) -> jax.Array:
+    def reference(x: jax.Array, *held: jax.Array) -> jax.Array:
         total = chunks * rows * block
         flat = x.reshape(-1)[start : start + total]
         values = jnp.pad(flat, (0, total - flat.size))
         return _quantize_reference(values, chunks=chunks, **codec)
 
-    return _native_or(reference, QUANTIZE, native, x)
+    return _native_or(reference, QUANTIZE, native, x, *held)
 
 
 def reduce_chunk(
