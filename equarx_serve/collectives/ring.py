@@ -5,10 +5,14 @@ when bidirectional: lane d=0 travels i -> i+1, d=1 travels i -> i-1), S pipeline
 chunks (one per device), R rows of B elements. Every (direction, slice) lane is an independent
 all-reduce of `N*R*B` elements, a contiguous run of the flat message; the program is emitted
 step-major, so while slice s is on the wire, slice s+1 is being encoded: the slices form a
-software pipeline that XLA's scheduler is free to overlap. Optional per-lane transforms
-(`prepare` before encoding, `finish` after decoding: the Hadamard rotation and its inverse)
-pipeline with them; a `decode` hook may replace the codec's decoding of the reduced payloads
-by a linear map of it (the inverse rotation applied to the int8 codes, before their scales).
+software pipeline. (XLA:CPU overlaps them only where nothing orders them otherwise: it runs
+collectives one at a time in schedule order and makes every reuse of a buffer an edge of the
+program's DAG, so the native one-shot and two-shot paths fix their collectives' order and hold
+buffers until the last decode: `packed_one_shot_all_reduce`, `_native_two_shot_all_reduce`.)
+Optional per-lane transforms (`prepare` before encoding, `finish` after decoding: the
+Hadamard rotation and its inverse) pipeline with them; a `decode` hook may replace the codec's
+decoding of the reduced payloads by a linear map of it (the inverse rotation applied to the
+int8 codes, before their scales).
 One-shot lanes may instead run as two fused kernels on the bytes that travel (`PackedOneShot`:
 EQuARX's native CPU kernels), which read each lane from the message and write its result into
 one output buffer (`packed_one_shot_all_reduce`: no lane copies, no stacking).
