@@ -397,11 +397,8 @@ class EquarxInt8(RingAllReduce):
             return lax.psum(x, axis_name)
         concrete = self.for_axis_size(axis_size)
         if concrete.input_rotation is None:
-            kernels = encoder = None
-            if concrete._runs_natively(x.dtype, axis_size):
-                kernels = concrete._one_shot_kernels(rotate_input=False)
-            if concrete._encodes_natively(x.dtype, axis_size):
-                encoder = concrete._two_shot_kernels(rotate_input=False)
+            kernels = concrete._one_shot_kernels(x.dtype, axis_size, rotate_input=False)
+            encoder = concrete._two_shot_kernels(x.dtype, axis_size, rotate_input=False)
             return concrete.ring_reduce(
                 x, axis_name, axis_size, x.dtype, packed=kernels, native=encoder
             )
@@ -429,15 +426,13 @@ class EquarxInt8(RingAllReduce):
         (`_runs_natively`), else on the int8 codes as they are decoded or on the decoded f32
         values (`inverse_on_codes`)."""
         rotation = self.input_rotation
-        if self._runs_natively(x.dtype, axis_size):
-            kernels = self._one_shot_kernels(rotate_input=rotate_input)
+        kernels = self._one_shot_kernels(x.dtype, axis_size, rotate_input=rotate_input)
+        if kernels is not None:
             return self.ring_reduce(x, axis_name, axis_size, x.dtype, packed=kernels)
         prepare = None
         if rotate_input:
             prepare = lambda lane: _rotate_lane(rotation, lane, jnp.float32)
-        encoder = None
-        if self._encodes_natively(x.dtype, axis_size):
-            encoder = self._two_shot_kernels(rotate_input=rotate_input)
+        encoder = self._two_shot_kernels(x.dtype, axis_size, rotate_input=rotate_input)
         if self._decodes_natively(x.dtype, axis_size):
             decode = lambda gathered, held: one_shot.decode_rotate_each(
                 gathered,
@@ -528,11 +523,16 @@ class EquarxInt8(RingAllReduce):
         rotation one block."""
         return self._rotation_group if self.input_rotation is not None else self.block_size
 
-    def _two_shot_kernels(self, *, rotate_input: bool) -> NativeTwoShot:
+    def _two_shot_kernels(
+        self, dtype: jnp.dtype, axis_size: int, *, rotate_input: bool
+    ) -> NativeTwoShot | None:
         """Two-shot's reduce-scatter as `one_shot.rotate_quantize_chunks` (every chunk of a
         lane rotated, quantized and packed in one pass, straight from the message) and
         `one_shot.reduce_chunk` (the own chunk rotated, the received payloads decoded and
-        added, the sum quantized, in one pass); rotating the input only if `rotate_input`."""
+        added, the sum quantized, in one pass); rotating the input only if `rotate_input`.
+        None where they do not apply (`_encodes_natively`)."""
+        if not self._encodes_natively(dtype, axis_size):
+            return None
         codec = dict(
             block=self.block_size,
             group=self._quantized_group,
@@ -548,9 +548,14 @@ class EquarxInt8(RingAllReduce):
             ),
         )
 
-    def _one_shot_kernels(self, *, rotate_input: bool) -> PackedOneShot:
+    def _one_shot_kernels(
+        self, dtype: jnp.dtype, axis_size: int, *, rotate_input: bool
+    ) -> PackedOneShot | None:
         """The native kernels for one lane: rotate the input first only if `rotate_input`;
-        rotate the sum back whenever this all-reduce has a rotation."""
+        rotate the sum back whenever this all-reduce has a rotation. None where they do not
+        apply (`_runs_natively`)."""
+        if not self._runs_natively(dtype, axis_size):
+            return None
         rotated = self.input_rotation is not None
         block = self.block_size
         return PackedOneShot(

@@ -264,9 +264,9 @@ def pipelined_all_reduce(
                     payload[key] = codec.accumulate_encode(local, tuple(received[key]))
                     continue
                 own = start[key] + index * (lane_size // n)
-                payload[key] = native.reduce(lanes, own, rows, received[key])
-                if decode_gathered is None:  # the codec decodes it: its arrays
-                    payload[key] = _unpack_like(payload[key], codec, lanes.shape[3:])
+                reduced = native.reduce(lanes, own, rows, received[key])
+                # the codec decodes it (`decode_gathered` goes to _native_two_shot_all_reduce)
+                payload[key] = _unpack_like(reduced, codec, lanes.shape[3:])
     else:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {SCHEDULES}")
 
@@ -584,7 +584,7 @@ class RingAllReduce(AllReduce):
         decode: PayloadFn | None = None,
         finish: LaneFn | None = None,
         packed: PackedOneShot | None = None,
-        decode_gathered: LaneFn | None = None,
+        decode_gathered: GatheredFn | None = None,
         native: NativeTwoShot | None = None,
     ) -> jax.Array:
         """The sum over the ring of x (any shape), encoded with `codec(x.dtype)`, decoded to

@@ -111,9 +111,7 @@ def unpack(
 ) -> tuple[jax.Array, jax.Array]:
     """`pack`'s inverse: packed u8 [K, M * (B + S)] -> (codes int8 [K, M, B], scales f32 [K, M]),
     S the bytes of a `scale_dtype` scale."""
-    _check_packed(packed, block, scale_dtype)
-    rows = packed.shape[1] // (block + _SCALE_BYTES[scale_dtype])
-    return _split(packed, rows, block, scale_dtype)
+    return _split(packed, _packed_rows(packed, block, scale_dtype), block, scale_dtype)
 
 
 def _split(packed: jax.Array, m: int, block: int, scale_dtype: str) -> tuple[jax.Array, jax.Array]:
@@ -131,7 +129,9 @@ def _check_block(block: int) -> None:
         raise ValueError(f"block must be a power of two from 2 to {MAX_BLOCK}, got {block!r}")
 
 
-def _check_packed(packed: jax.Array, block: int, scale_dtype: str) -> None:
+def _packed_rows(packed: jax.Array, block: int, scale_dtype: str) -> int:
+    """M, the rows of each payload of packed u8 [K, M * (B + S)]; ValueError unless it is
+    that."""
     _check_block(block)
     _check_scale_dtype(scale_dtype)
     if packed.dtype != jnp.uint8 or packed.ndim != 2 or packed.shape[0] < 1:
@@ -141,6 +141,7 @@ def _check_packed(packed: jax.Array, block: int, scale_dtype: str) -> None:
             f"a payload of {packed.shape[1]} bytes is not whole rows of {block} codes + a "
             f"{scale_dtype} scale"
         )
+    return packed.shape[1] // (block + _SCALE_BYTES[scale_dtype])
 
 
 def _check_rows(x: jax.Array) -> None:
@@ -459,8 +460,7 @@ def dequantize_rotate(
 ) -> jax.Array:
     """packed u8 [K, M * (B + S)] (S the bytes of a `scale_dtype` scale) -> bf16 [M, B]: the
     kernel on CPU where it is available, else `dequantize_rotate_reference` (the same bits)."""
-    _check_packed(packed, block, scale_dtype)
-    rows = packed.shape[1] // (block + _SCALE_BYTES[scale_dtype])
+    rows = _packed_rows(packed, block, scale_dtype)
     out = jax.ShapeDtypeStruct((rows, block), jnp.bfloat16)
     attrs = _decode_attrs(block, scale_dtype, hadamard, start=0)
     native = functools.partial(_call, DEQUANTIZE, out=out, **attrs)
@@ -498,7 +498,7 @@ def dequantize_rotate_into(
     64 MiB buffer zeroed first costs ~30 ms on 2 processes here). `held`: arrays the kernel
     takes as operands without reading them, so that XLA keeps their buffers until this call
     (`ring.packed_one_shot_all_reduce`); not with a ShapeDtypeStruct `out`."""
-    _check_packed(packed, block, scale_dtype)
+    _packed_rows(packed, block, scale_dtype)  # checks the layout
     if out.dtype != jnp.bfloat16:
         raise ValueError(f"want out bf16, got {out.dtype}")
     _check_start(start)
