@@ -83,6 +83,33 @@ def test_link_without_root_exits_2_before_running_anything(monkeypatch, capsys):
     assert "need root" in capsys.readouterr().err
 
 
+def test_timeline_needs_one_device_a_process(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "allreduce", "--devices", "2", "--timeline"])
+    assert e.value.code == 2
+    assert "--timeline traces one device a process" in capsys.readouterr().err
+
+
+def test_timeline_shows_where_every_process_spent_one_call(tmp_path, capsys):
+    path = tmp_path / "allreduce.json"
+    argv = ["bench", "allreduce", "--processes", "2", "--sizes", "1MiB", "--repeats", "1"]
+    argv += ["--methods", "ring", "equarx-int8:min_size_bytes=0", "--json", str(path)]
+    assert cli.main([*argv, "--timeline"]) == 0
+    assert "timeline of one call, 2 processes" in capsys.readouterr().out
+    for row in json.loads(path.read_text())["rows"]:
+        processes, summaries = row["timeline"]["processes"], row["timeline"]["summary"]
+        assert [s["process"] for s in summaries] == [0, 1]
+        assert min(s["start_ms"] for s in summaries) == 0.0
+        for spans, summary in zip(processes, summaries, strict=True):
+            assert "collective" in {span["kind"] for span in spans}
+            assert all(0 <= span["start_ms"] <= span["end_ms"] for span in spans)
+            assert summary["start_ms"] == min(span["start_ms"] for span in spans)
+            assert summary["end_ms"] == max(span["end_ms"] for span in spans)
+            length = summary["end_ms"] - summary["start_ms"]
+            assert 0 <= summary["idle_ms"] <= length
+            assert max(summary["busy_ms"].values()) <= length
+
+
 def _bench(tmp_path, *extra: str) -> dict[str, object]:
     path = tmp_path / "allreduce.json"
     argv = ["bench", "allreduce", "--processes", "2", "--sizes", "256KiB", "--repeats", "1"]

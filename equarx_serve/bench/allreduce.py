@@ -29,6 +29,12 @@ Hadamard), a second row labelled `LABEL [pre-rotated input]`: the collective as 
 (`ar.with_rotated_input()`), its input already rotated (as by the folded weights), so only the
 inverse transform runs. The method's own row stays the standalone collective (it rotates its
 input itself); both are timed in the same rounds.
+
+`--timeline` (one device a process) traces one more call of every method after the timed
+rounds, on every process, and prints where each process spent it (`timeline.py`): when it
+started (from the earliest start on any process), how long its collectives, its kernels (custom
+calls: EQuARX's native quantize/decode) and its other compute ran, how long it ran nothing of
+the call between its first and last operation, and when it finished. The spans go to --json.
 """
 
 from __future__ import annotations
@@ -96,6 +102,7 @@ class BenchConfig:
     seed: int = 0
     link: Link | None = None  # the processes' meshes on emulated hosts joined by this link
     pre_rotated: bool = False  # also time foldable methods on pre-rotated input (see above)
+    timeline: bool = False  # trace one more call of each method on every process (see above)
 
 
 PRE_ROTATED_SUFFIX = " [pre-rotated input]"
@@ -149,7 +156,12 @@ def _run_worker(
 
     devices = n if mode == "devices" else None
     command = allreduce_worker.command(
-        size, methods, devices=devices, repeats=config.repeats, seed=config.seed
+        size,
+        methods,
+        devices=devices,
+        repeats=config.repeats,
+        seed=config.seed,
+        with_timeline=config.timeline,
     )
     if mode == "processes":
         outputs = multiprocess.run_local_processes(
@@ -187,6 +199,46 @@ def add_comparisons(result: dict[str, object]) -> None:
                 baseline["wire_bytes_hlo_total"], 1
             )
             row["byte_bound_efficiency"] = row["speedup"] * row["bytes_ratio"]
+
+
+def _render(header: list[str], rows: list[list[str]]) -> str:
+    """Columns padded to their widest cell, a rule under the header; the first two left-aligned."""
+    lines = [header, *rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    lines.insert(1, ["-" * w for w in widths])
+    text = []
+    for line in lines:
+        cells = enumerate(zip(line, widths, strict=True))
+        text.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in cells))
+    return "\n".join(text)
+
+
+def format_timelines(mode: str, n: int, results: list[dict[str, object]], link: Link | None) -> str:
+    """Every traced row's per-process summary (`timeline.py`), one table per mesh."""
+    header = ["size", "method", "process", "start", "collective", "kernel", "compute", "idle"]
+    header.append("end")
+    lines = []
+    for result in results:
+        for row in result["rows"]:
+            for process in (row.get("timeline") or {}).get("summary", []):
+                busy = process["busy_ms"]
+                lines.append(
+                    [
+                        format_size(result["size_bytes"]),
+                        row["label"],
+                        str(process["process"]),
+                        f"{process['start_ms']:.1f}",
+                        *(f"{busy[kind]:.1f}" for kind in ("collective", "kernel", "compute")),
+                        f"{process['idle_ms']:.1f}",
+                        f"{process['end_ms']:.1f}",
+                    ]
+                )
+    title = (
+        f"== timeline of one call, {mesh_title(mode, n, link)}: ms from the call's earliest "
+        "start on any process; collective/kernel/compute: time its ops of that kind ran; idle: "
+        "between its first and last op, nothing of the call running =="
+    )
+    return "\n".join([title, _render(header, lines)])
 
 
 def mesh_title(mode: str, n: int, link: Link | None = None) -> str:
@@ -228,18 +280,12 @@ def format_table(
     mode: str, n: int, results: Sequence[dict[str, object]], link: Link | None = None
 ) -> str:
     """The terminal table of one mesh's results (one per size); the baseline is marked *."""
-    lines = [_HEADER] + [_table_row(r["size_bytes"], row) for r in results for row in r["rows"]]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER))]
-    lines.insert(1, ["-" * w for w in widths])
+    rows = [_table_row(r["size_bytes"], row) for r in results for row in r["rows"]]
     text = [
         f"\n== all-reduce, {mesh_title(mode, n, link)}, bf16; "
-        "speed-up and bytes ratio vs the fastest unquantized method (*) =="
+        "speed-up and bytes ratio vs the fastest unquantized method (*) ==",
+        _render(_HEADER, rows),
     ]
-    for line in lines:
-        cells = zip(line, widths, strict=True)
-        text.append(
-            "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(cells))
-        )
     mismatches = [
         f"{format_size(r['size_bytes'])} {row['label']}"
         for r in results
@@ -365,6 +411,8 @@ def _measure_mesh(
             mesh_results.append(result)
             bar.update(len(methods))
     bar.write(format_table(mode, n, mesh_results, link))
+    if config.timeline:
+        bar.write(format_timelines(mode, n, mesh_results, link))
     if (probe := mesh_results[0].get("transport_probe")) is not None:
         sliced = ", ".join(
             f"{format_size(r['size_bytes'])} {row['label']} {row['slices']}"
@@ -455,12 +503,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "already rotated, only the inverse transform (rows labelled "
         f"'{PRE_ROTATED_SUFFIX.strip()}')",
     )
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="after the timed rounds, trace one more call of each method on every process "
+        "(--processes only) and print where its time went: collectives, kernels, other "
+        "compute, idle (see bench/timeline.py); the spans go to --json",
+    )
     links.add_arguments(parser, argument_type)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     meshes = [("devices", n) for n in args.devices] + [("processes", n) for n in args.processes]
     meshes = list(dict.fromkeys(meshes)) or [("processes", 2)]
+    if args.timeline and args.devices:
+        raise UsageError("--timeline traces one device a process: use --processes, not --devices")
     try:
         link = links.link_from_args(args, processes=any(m == "processes" for m, _ in meshes))
     except ValueError as e:
@@ -475,4 +532,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         link=link,
         pre_rotated=args.pre_rotated,
+        timeline=args.timeline,
     )

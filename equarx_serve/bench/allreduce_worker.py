@@ -23,7 +23,10 @@ the adaptive repeat count). Then `repeats` rounds, each running every method onc
 rotated by one per round. A call is timed with `perf_counter` around
 `program(x).block_until_ready()`: dispatch, the collectives and all quantize/accumulate compute,
 until this process's output is ready. Before each call a tiny psum (untimed) lines the
-processes up. Across processes, a call's time is the slowest process's.
+processes up. Across processes, a call's time is the slowest process's. With `--timeline` (one
+device a process), one more call of each method, after the timed rounds, is traced with
+`jax.profiler` on every process: its row gets `timeline` (`timeline.py`: every process's spans
+of collectives, kernels and other compute, and their summaries).
 
 Process 0 prints the result as one JSON line, prefixed with `RESULT_MARKER`, on stdout.
 """
@@ -31,6 +34,7 @@ Process 0 prints the result as one JSON line, prefixed with `RESULT_MARKER`, on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -46,6 +50,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve import multiprocess
+from equarx_serve.bench import timeline
 from equarx_serve.bench.hlo_bytes import collective_wire_bytes
 from equarx_serve.collectives import get_all_reduce, transport
 from equarx_serve.collectives.equarx import EquarxInt8, RotatedInput
@@ -159,9 +164,17 @@ def _errors(out: jax.Array, reference: jax.Array) -> dict[str, float | bool]:
 
 
 def measure(
-    methods: Sequence[dict], size_bytes: int, repeats: int | None, seed: int
+    methods: Sequence[dict],
+    size_bytes: int,
+    repeats: int | None,
+    seed: int,
+    *,
+    with_timeline: bool = False,
 ) -> dict[str, object]:
-    """Times and checks every method (dicts of label, name, options) at one size; see module doc."""
+    """Times and checks every method (dicts of label, name, options) at one size; see module doc.
+    `with_timeline` (one device a process): then traces one more call of each (`timeline`)."""
+    if with_timeline and jax.process_count() != jax.device_count():
+        raise ValueError("a timeline needs one device a process (--processes)")
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
     n, num_elements = mesh.size, size_bytes // 2
     x = jax.make_array_from_callback(
@@ -212,6 +225,14 @@ def measure(
     )
     for label, stats in timings.items():
         rows[label].update(stats)
+    if with_timeline:
+        for label, (program, inputs) in programs.items():
+
+            def call(program=program, inputs=inputs) -> None:
+                barrier(token).block_until_ready()
+                program(inputs).block_until_ready()
+
+            rows[label]["timeline"] = _timeline(timeline.trace_call(call, program.as_text()))
     return {
         "n": n,
         "num_processes": jax.process_count(),
@@ -220,6 +241,34 @@ def measure(
         "transport_probe": None if (probe := transport.link()) is None else vars(probe),
         "rows": list(rows.values()),
     }
+
+
+def _timeline(own: list[timeline.Span]) -> dict[str, object] | None:
+    """This process's spans of one call -> on process 0, the timeline row of every process
+    (collective: all processes call this): spans in ms from the call's earliest start, and
+    summaries."""
+    processes = [
+        [timeline.Span(**span) for span in spans]
+        for spans in _all_processes([dataclasses.asdict(s) for s in own])
+    ]
+    summaries = timeline.summarize(processes)
+    if jax.process_index() != 0 or not summaries:
+        return None
+    origin = min(p[0].start_ns for p in processes if p)
+    return {
+        "processes": [timeline.to_json(spans, origin) for spans in processes],
+        "summary": [dataclasses.asdict(s) for s in summaries],
+    }
+
+
+def _all_processes(value: object) -> list[object]:
+    """Every process's JSON value, in process order (collective)."""
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = gather_processes(np.array([data.size], np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: data.size] = data
+    gathered = gather_processes(padded)
+    return [json.loads(bytes(gathered[p, : sizes[p]])) for p in range(len(sizes))]
 
 
 def _slices(ar: object, num_elements: int, n: int) -> int | None:
@@ -240,10 +289,13 @@ def command(
     devices: int | None,
     repeats: int | None,
     seed: int,
+    with_timeline: bool = False,
 ) -> list[str]:
     """The command line that runs this module (process flags are added by the launcher)."""
     args = ["--size-bytes", str(size_bytes), "--methods", json.dumps(list(methods))]
     args += ["--seed", str(seed)]
+    if with_timeline:
+        args.append("--timeline")
     if devices is not None:
         args += ["--devices", str(devices)]
     if repeats is not None:
@@ -266,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, help="N host devices in this one process")
     parser.add_argument("--repeats", type=int, help="timed rounds (default: adaptive)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeline", action="store_true", help="trace one more call of each")
     multiprocess.add_process_flags(parser)
     args = parser.parse_args(argv)
 
@@ -277,7 +330,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     expected = args.devices if args.devices is not None else args.num_processes
     if jax.device_count() != expected:
         raise RuntimeError(f"expected {expected} devices, JAX has {jax.device_count()}")
-    result = measure(args.methods, args.size_bytes, args.repeats, args.seed)
+    result = measure(
+        args.methods, args.size_bytes, args.repeats, args.seed, with_timeline=args.timeline
+    )
     if jax.process_index() == 0:
         print(RESULT_MARKER, json.dumps(result), flush=True)
 
