@@ -68,3 +68,14 @@ def test_summary_counts_overlapping_work_once_and_idle_between_spans():
 def test_spans_as_json_rows_from_an_origin():
     rows = timeline.to_json([Span("all_gather.7", "collective", 3_000_000, 5_500_000)], 1_000_000)
     assert rows == [{"op": "all_gather.7", "kind": "collective", "start_ms": 2.0, "end_ms": 4.5}]
+
+
+def test_a_trace_without_its_start_time_is_an_error(monkeypatch, tmp_path):
+    import jax
+
+    plane = type("Plane", (), {"name": "/host:CPU", "stats": [], "lines": []})()
+    profile = type("Profile", (), {"planes": [plane]})()
+    fake = type("ProfileData", (), {"from_file": staticmethod(lambda path: profile)})
+    monkeypatch.setattr(jax.profiler, "ProfileData", fake)
+    with pytest.raises(RuntimeError, match="no profile_start_time"):
+        timeline._thunk_events(tmp_path / "trace.xplane.pb")

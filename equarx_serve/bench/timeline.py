@@ -107,8 +107,10 @@ def trace_call(call: Callable[[], None], hlo_text: str) -> list[Span]:
             call()
         finally:
             jax.profiler.stop_trace()
-        (path,) = Path(directory).glob("plugins/profile/*/*.xplane.pb")
-        return spans_of_last_run(_thunk_events(path), op_kinds(hlo_text))
+        paths = list(Path(directory).glob("plugins/profile/*/*.xplane.pb"))
+        if len(paths) != 1:
+            raise RuntimeError(f"jax.profiler wrote {len(paths)} traces, want 1, in {directory}")
+        return spans_of_last_run(_thunk_events(paths[0]), op_kinds(hlo_text))
 
 
 def _thunk_events(path: Path) -> list[tuple[str, int, int, int]]:
@@ -116,8 +118,10 @@ def _thunk_events(path: Path) -> list[tuple[str, int, int, int]]:
     from jax.profiler import ProfileData
 
     profile = ProfileData.from_file(str(path))
-    start = next(plane.stats for plane in profile.planes if plane.name == "Task Environment")
-    origin = int(dict(start)["profile_start_time"])  # ns since the epoch; events count from it
+    environment = [dict(p.stats) for p in profile.planes if p.name == "Task Environment"]
+    if not environment or "profile_start_time" not in environment[0]:
+        raise RuntimeError(f"no profile_start_time in {path}: cannot place its events in time")
+    origin = int(environment[0]["profile_start_time"])  # ns since the epoch; events count from it
     events = []
     for plane in profile.planes:
         for line in plane.lines:
