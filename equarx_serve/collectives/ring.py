@@ -72,6 +72,12 @@ from equarx_serve.collectives.base import AllReduce, check_float_dtype
 Payload = Any  # a pytree of arrays: what one hop puts on the wire
 SCHEDULES = ("auto", "ring", "two-shot", "one-shot")
 MAX_SLICES = 256  # slice_bytes never cuts a message into more lanes (program size)
+# A pairwise swap (the shift by N / 2, where devices i and i + N / 2 send each other a chunk over
+# one gloo connection) sent as one message crossed 4 emulated hosts' 1 Gbit/s links at about half
+# the link's rate; sent in pieces of at most this many bytes, each its own collective, near the
+# link's rate (README, "The comm-bound regime", stage 12: `equarx-int8` at 16 MiB 145-150 vs
+# 160-162 ms, at 64 MiB 611-627 vs 677-681 ms).
+SWAP_PIECE_BYTES = 512 * 1024
 
 
 class Codec(Protocol):
@@ -136,6 +142,48 @@ def take_chunk(tree: Payload, index: jax.Array) -> Payload:
 
 def _shift_perm(axis_size: int, shift: int) -> list[tuple[int, int]]:
     return [(i, (i + shift) % axis_size) for i in range(axis_size)]
+
+
+def _swaps(axis_size: int, shift: int) -> bool:
+    """Whether shifting by `shift` pairs the devices up, each sending to its own sender."""
+    return 2 * (shift % axis_size) == axis_size
+
+
+def permute_shift(
+    data: jax.Array, axis_name: str, axis_size: int, shift: int, *, after: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """`data` (u8 [bytes]) from every device to the one `shift` after it, a swap in pieces of at
+    most SWAP_PIECE_BYTES (see there), one after another, joined again; the first collective
+    behind `after` (an optimization barrier on it: e.g. the previous collective's result).
+    Returns the received bytes and the last collective's result (to order the next one)."""
+    perm = _shift_perm(axis_size, shift)
+
+    def behind(operand: jax.Array, previous: jax.Array | None) -> jax.Array:
+        if previous is not None:
+            operand, _ = lax.optimization_barrier((operand, previous))
+        return operand
+
+    if not _swaps(axis_size, shift) or data.size <= SWAP_PIECE_BYTES:
+        received = lax.ppermute(behind(data, after), axis_name, perm)
+        return received, received
+    pieces, previous = [], after
+    for start in range(0, data.size, SWAP_PIECE_BYTES):
+        previous = lax.ppermute(
+            behind(data[start : start + SWAP_PIECE_BYTES], previous), axis_name, perm
+        )
+        pieces.append(previous)
+    return jnp.concatenate(pieces), previous
+
+
+def permute_payload_shift(payload: Payload, axis_name: str, axis_size: int, shift: int) -> Payload:
+    """`ppermute_payload` by a shift; a swap larger than SWAP_PIECE_BYTES travels as its bytes
+    in pieces (`permute_shift`)."""
+    leaves = jax.tree.leaves(payload)
+    size = sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in leaves)
+    if not _swaps(axis_size, shift) or size <= SWAP_PIECE_BYTES:
+        return ppermute_payload(payload, axis_name, _shift_perm(axis_size, shift))
+    received, _ = permute_shift(pack_payload(payload), axis_name, axis_size, shift)
+    return jax.tree.unflatten(jax.tree.structure(payload), unpack_payload(received, leaves))
 
 
 LaneFn = Callable[[jax.Array], jax.Array]
@@ -250,13 +298,15 @@ def pipelined_all_reduce(
             for shift in range(1, n):
                 for key in keys:
                     dr = direction[key]
-                    target, perm = (index + dr * shift) % n, _shift_perm(n, dr * shift)
+                    target = (index + dr * shift) % n
                     if native is None:
                         outgoing = codec.encode_chunk(values[key], target)
-                        received[key].append(ppermute_payload(outgoing, axis_name, perm))
+                        moved = permute_payload_shift(outgoing, axis_name, n, dr * shift)
+                        received[key].append(moved)
                     else:  # bytes
                         outgoing = lax.dynamic_index_in_dim(sent[key], target, 0, keepdims=False)
-                        received[key].append(lax.ppermute(outgoing, axis_name, perm))
+                        moved, _ = permute_shift(outgoing, axis_name, n, dr * shift)
+                        received[key].append(moved)
             for key in keys:
                 owned[key] = index
                 if native is None:
@@ -332,10 +382,11 @@ def _native_two_shot_all_reduce(
                 for shift in range(1, n):
                     target = (index + dr * shift) % n
                     outgoing = lax.dynamic_index_in_dim(sent, target, 0, keepdims=False)
-                    received.append(
-                        lax.ppermute(in_order(outgoing), axis_name, _shift_perm(n, dr * shift))
+                    got, latest = permute_shift(
+                        outgoing, axis_name, n, dr * shift, after=last[-1] if last else None
                     )
-                    last.append(received[-1])
+                    received.append(got)
+                    last.append(latest)
             held += received
             own = start + index * (lane_size // n)
             if pending is not None:
