@@ -75,8 +75,9 @@ MAX_SLICES = 256  # slice_bytes never cuts a message into more lanes (program si
 # A pairwise swap (the shift by N / 2, where devices i and i + N / 2 send each other a chunk over
 # one gloo connection) sent as one message crossed 4 emulated hosts' 1 Gbit/s links at about half
 # the link's rate; sent in pieces of at most this many bytes, each its own collective, near the
-# link's rate (README, "The comm-bound regime", stage 12: `equarx-int8` at 16 MiB 145-150 vs
-# 160-162 ms, at 64 MiB 611-627 vs 677-681 ms).
+# link's rate (README, "The comm-bound regime", stage 12; two runs each way, 16 / 64 MiB: `ring`
+# 240-244 / 965-1007 ms vs 270-293 / 1050-1109 ms, `equarx-int8` 146-150 / 596-600 ms vs
+# 161-162 / 689-714 ms).
 SWAP_PIECE_BYTES = 512 * 1024
 
 
