@@ -215,8 +215,17 @@ def _render(header: list[str], rows: list[list[str]]) -> str:
 
 def format_timelines(mode: str, n: int, results: list[dict[str, object]], link: Link | None) -> str:
     """Every traced row's per-process summary (`timeline.py`), one table per mesh."""
-    header = ["size", "method", "process", "start", "collective", "kernel", "compute", "idle"]
-    header.append("end")
+    header = [
+        "size",
+        "method",
+        "process",
+        "start",
+        "collective",
+        "kernel",
+        "compute",
+        "idle",
+        "end",
+    ]
     lines = []
     for result in results:
         for row in result["rows"]:

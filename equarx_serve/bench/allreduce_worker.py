@@ -254,7 +254,7 @@ def _timeline(own: list[timeline.Span]) -> dict[str, object] | None:
     summaries = timeline.summarize(processes)
     if jax.process_index() != 0 or not summaries:
         return None
-    origin = min(p[0].start_ns for p in processes if p)
+    origin = timeline.earliest_start_ns(processes)
     return {
         "processes": [timeline.to_json(spans, origin) for spans in processes],
         "summary": [dataclasses.asdict(s) for s in summaries],

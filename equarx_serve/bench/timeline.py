@@ -151,13 +151,18 @@ def _union_ns(spans: Iterable[Span]) -> int:
     return total
 
 
+def earliest_start_ns(processes: list[list[Span]]) -> int | None:
+    """The earliest start of any span of any process (None without spans): the call's origin."""
+    return min((s.start_ns for spans in processes for s in spans), default=None)
+
+
 def summarize(processes: list[list[Span]]) -> list[ProcessSummary]:
-    """Every process's spans (in process order) -> its summary; processes without a span are
-    left out."""
-    traced = [(p, spans) for p, spans in enumerate(processes) if spans]
-    if not traced:
+    """Every process's spans (in process order) -> its summary, in ms from
+    `earliest_start_ns`; processes without a span are left out."""
+    origin = earliest_start_ns(processes)
+    if origin is None:
         return []
-    origin = min(spans[0].start_ns for _, spans in traced)
+    traced = [(p, spans) for p, spans in enumerate(processes) if spans]
     summaries = []
     for process, spans in traced:
         start = min(s.start_ns for s in spans)
