@@ -184,9 +184,11 @@ def test_a_link_delay_is_on_every_round_trip_or_fails_clearly_without_netem():
 
 
 @needs_root
-def test_a_shaped_link_caps_the_measured_rate():
-    # How close a round gets to the rate depends on how busy the CPU is; what the shaper
-    # guarantees is the cap: no direction's goodput goes over the configured rate.
+def test_a_shaped_link_measures_near_its_rate():
+    # The shaper guarantees the cap: no direction's goodput goes over the configured rate.
+    # How close a round gets below it depends on how busy the CPU is (a CI run measured 84%),
+    # so "near" is the cap and at least half the rate: an unshaped link or a rate off by a
+    # unit (10x) fails either way.
     with Cluster(2, Link.parse("100mbit")) as c:
         measurement = c.measure_link(seconds=1.0, rounds=2)
     assert len(measurement.rounds_bits_per_s) == 2
@@ -196,6 +198,7 @@ def test_a_shaped_link_caps_the_measured_rate():
     for rates in measurement.rounds_bits_per_s:
         for rate in rates:
             assert 0 < rate <= (1 + PROBE_TOLERANCE) * 100e6, measurement.summary()
+    assert measurement.ratio >= 0.5, measurement.summary()
     assert "100 Mbit/s" in measurement.summary()
     assert _left_of(c.run) == []
 
