@@ -217,7 +217,8 @@ class NativeTwoShot:
     lays each out), u8 [N, bytes]; `reduce(lanes, start, rows, received)` maps the device's own
     chunk (R rows from element `start`, traced) and the N - 1 payloads it received (u8 [bytes]
     each, in shift order) to the reduced chunk's payload, u8 [bytes] (what `prepare` and the
-    codec's accumulate-encode give)."""
+    codec's accumulate-encode give); with nothing received, to that chunk's payload (what
+    `encode` gives for it: `_native_two_shot_all_reduce` encodes each chunk it sends so)."""
 
     encode: Callable[[jax.Array, int, int], jax.Array]
     reduce: Callable[[jax.Array, jax.Array, int, list[jax.Array]], jax.Array]
@@ -349,16 +350,31 @@ def _native_two_shot_all_reduce(
     """Two-shot on bytes (`native`'s kernels, then `decode_gathered`), its collectives in a
     pipelined order: lane k's N - 1 reduce-scatter permutes, then lane k - 1's all-gather, so
     that lane k - 1's reduce runs while lane k's permutes are on the wire and its decode while
-    lane k + 1's are. As in `packed_one_shot_all_reduce`, XLA:CPU runs collectives one at a
-    time in schedule order and a buffer's reuse is an edge of its DAG: each collective is put
-    behind the previous one (an optimization barrier), and every received and all-gathered
-    buffer is held until the last decode, else a lane's collective waited for the previous
-    lane's compute."""
+    lane k + 1's are. Each chunk a device sends is encoded on its own (`encode`), so that the
+    first transfer waits for one encode and the others run during it: on CPU the kernels run
+    beside XLA's thread (`one_shot.cc`, `Later`). As in `packed_one_shot_all_reduce`, XLA:CPU
+    runs collectives one at a time in schedule order and a buffer's reuse is an edge of its DAG:
+    each collective is put behind the previous one (an optimization barrier), and every
+    received and all-gathered buffer is held until the last decode, else a lane's collective
+    waited for the previous lane's compute."""
     num_dirs, num_slices, n, rows = lanes.shape[:4]
     lane_size = n * rows * lanes.shape[4]
     index = lax.axis_index(axis_name)
     held: list[jax.Array] = []
     last: list[jax.Array] = []  # the latest collective's result
+    encoded: list[jax.Array] = []  # every chunk payload encoded so far, in order
+
+    def encode(start: jax.Array) -> jax.Array:
+        """The payload of the chunk from element `start` (the reduce kernel, nothing received).
+        The first two encodes start together, every later one after the one before it: an
+        encode whose input was ready at once would wait behind the collective that the
+        previous encode's completion released (XLA:CPU takes ready operations in schedule order
+        on one thread), and all at once they would share the cores."""
+        source = lanes
+        if len(encoded) >= 2:
+            source, _ = lax.optimization_barrier((lanes, encoded[-1]))
+        encoded.append(native.reduce(source, start, rows, []))
+        return encoded[-1]
 
     def in_order(operand: jax.Array) -> jax.Array:
         if last:
@@ -377,14 +393,13 @@ def _native_two_shot_all_reduce(
         dr = 1 if d == 0 else -1
         for s in range(num_slices):
             start = (d * num_slices + s) * lane_size
-            sent = native.encode(lanes, start, rows)
+            outgoing = [encode(start + (index + dr * shift) % n * (lane_size // n))
+                        for shift in range(1, n)]  # fmt: skip
             received = []
             with jax.named_scope("two_shot_reduce_scatter"):
-                for shift in range(1, n):
-                    target = (index + dr * shift) % n
-                    outgoing = lax.dynamic_index_in_dim(sent, target, 0, keepdims=False)
+                for shift, payload in enumerate(outgoing, start=1):
                     got, latest = permute_shift(
-                        outgoing, axis_name, n, dr * shift, after=last[-1] if last else None
+                        payload, axis_name, n, dr * shift, after=last[-1] if last else None
                     )
                     received.append(got)
                     last.append(latest)

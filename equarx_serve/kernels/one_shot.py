@@ -33,6 +33,10 @@ of bf16), B = 64, one process: the decode of K = 2 payloads 6.3 ms (one thread, 
 vs 33.5 ms for the XLA ops (two threads); the model's all-reduce of 16 MiB on 2 fake devices
 77.6 -> 21.8 ms with the decode kernel.
 
+Two-shot's `reduce_chunk` (also its encode of each chunk it sends: nothing received) and
+`decode_rotate_each` run asynchronously: each call on a thread of its own, so that XLA:CPU goes
+on with the next collective meanwhile (why, and what it measured: `one_shot.cc`, `Later`).
+
 On CPU the functions are custom calls into the kernels, built on first use (`native.py`);
 elsewhere, with `EQUARX_SERVE_NATIVE_KERNELS=0` or without a C++ compiler they are the
 `*_reference` functions: the same arithmetic in the same order as jnp ops, the same bits
