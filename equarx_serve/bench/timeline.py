@@ -15,7 +15,9 @@ What it shows (`ProcessSummary`): when the process started the call (its first s
 its collectives, kernels and other compute ran (the union of their spans: work on several
 threads at once counts once), the time between its first and last span when it ran nothing of
 the program (idle), and when it finished. What it does not show: a collective's span is the
-whole time its thread is blocked in it, waiting for a late peer included.
+whole time its thread is blocked in it, waiting for a late peer included; an asynchronous
+kernel's span (two-shot's reduce and decode, `kernels/one_shot.cc`) is only its dispatch, the
+time others wait for it counts as idle, and the work of the last one runs after the last span.
 """
 
 from __future__ import annotations
