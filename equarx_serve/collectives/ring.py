@@ -150,6 +150,14 @@ def _swaps(axis_size: int, shift: int) -> bool:
     return 2 * (shift % axis_size) == axis_size
 
 
+def _behind(operand: jax.Array, previous: jax.Array | None) -> jax.Array:
+    """`operand`, after `previous` (an optimization barrier on both; None: as it is): XLA:CPU
+    then runs what reads it after what produced `previous`, e.g. collectives in a fixed order."""
+    if previous is not None:
+        operand, _ = lax.optimization_barrier((operand, previous))
+    return operand
+
+
 def permute_shift(
     data: jax.Array, axis_name: str, axis_size: int, shift: int, *, after: jax.Array | None = None
 ) -> tuple[jax.Array, jax.Array]:
@@ -158,19 +166,13 @@ def permute_shift(
     behind `after` (an optimization barrier on it: e.g. the previous collective's result).
     Returns the received bytes and the last collective's result (to order the next one)."""
     perm = _shift_perm(axis_size, shift)
-
-    def behind(operand: jax.Array, previous: jax.Array | None) -> jax.Array:
-        if previous is not None:
-            operand, _ = lax.optimization_barrier((operand, previous))
-        return operand
-
     if not _swaps(axis_size, shift) or data.size <= SWAP_PIECE_BYTES:
-        received = lax.ppermute(behind(data, after), axis_name, perm)
+        received = lax.ppermute(_behind(data, after), axis_name, perm)
         return received, received
     pieces, previous = [], after
     for start in range(0, data.size, SWAP_PIECE_BYTES):
         previous = lax.ppermute(
-            behind(data[start : start + SWAP_PIECE_BYTES], previous), axis_name, perm
+            _behind(data[start : start + SWAP_PIECE_BYTES], previous), axis_name, perm
         )
         pieces.append(previous)
     return jnp.concatenate(pieces), previous
@@ -370,19 +372,12 @@ def _native_two_shot_all_reduce(
         encode whose input was ready at once would wait behind the collective that the
         previous encode's completion released (XLA:CPU takes ready operations in schedule order
         on one thread), and all at once they would share the cores."""
-        source = lanes
-        if len(encoded) >= 2:
-            source, _ = lax.optimization_barrier((lanes, encoded[-1]))
+        source = _behind(lanes, encoded[-1] if len(encoded) >= 2 else None)
         encoded.append(native.reduce(source, start, rows, []))
         return encoded[-1]
 
-    def in_order(operand: jax.Array) -> jax.Array:
-        if last:
-            operand, _ = lax.optimization_barrier((operand, last[-1]))
-        return operand
-
     def all_gather(reduced: jax.Array, *, final: bool) -> jax.Array:
-        gathered = lax.all_gather(in_order(reduced), axis_name)
+        gathered = lax.all_gather(_behind(reduced, last[-1] if last else None), axis_name)
         last.append(gathered)
         decoded = decode_gathered(gathered, tuple(held) if final else ())
         held.append(gathered)
@@ -539,8 +534,7 @@ def packed_one_shot_all_reduce(
             start = lane * lane_size
             after = (payload,) if gathered else ()  # the previous lane's encoder (see below)
             payload = packed.encode(flat, start, lane_size // layout.block_size, after)
-            if gathered:
-                payload, _ = lax.optimization_barrier((payload, gathered[-1]))
+            payload = _behind(payload, gathered[-1] if gathered else None)
             gathered.append(lax.all_gather(payload, axis_name))
             held = tuple(gathered[:-1]) if lane == lanes - 1 else ()
             out = packed.combine(out, gathered[-1], start, held)
