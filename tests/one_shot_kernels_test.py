@@ -480,6 +480,54 @@ def test_held_operands_of_the_each_decode_change_nothing():
     np.testing.assert_array_equal(_bits(got), _bits(one_shot.decode_rotate_each(packed, **codec)))
 
 
+@pytest.mark.parametrize(("block", "pieces"), [(32, [(0, 4), (4, 6), (10, 6)]), (64, [(0, 8)])])
+def test_the_each_decode_fills_a_buffer_piece_by_piece(monkeypatch, block, pieces):
+    """The pieces of an all-gather (rows of every chunk) decoded into one buffer give the whole
+    decode, through the kernel (aliased) and as jnp ops."""
+    k, rows = 3, 16
+    packed = _chunks(k, rows, block, "bfloat16", seed=5)
+    codec = dict(block=block, group=64, scale_dtype="bfloat16")
+    per_row = block + 2
+
+    def piecewise(packed: jax.Array) -> jax.Array:
+        codes, scales = packed[:, : rows * block], packed[:, rows * block :]
+        out = jax.ShapeDtypeStruct((k, rows, block), jnp.bfloat16)
+        for first, count in pieces:
+            piece = jnp.concatenate(
+                [codes[:, first * block : (first + count) * block],
+                 scales[:, first * 2 : (first + count) * 2]], axis=1
+            )  # fmt: skip
+            assert piece.shape == (k, count * per_row)
+            out = one_shot.decode_rotate_each(piece, into=out, first=first, **codec)
+        return out
+
+    whole = jax.jit(lambda p: one_shot.decode_rotate_each(p, **codec))(packed)
+    whole_reference = jax.jit(lambda p: one_shot.decode_rotate_each_reference(p, **codec))(packed)
+    got, want = _native_and_reference(monkeypatch, piecewise, jnp.asarray(packed))
+    covered = pieces[-1][0] + pieces[-1][1]  # rows past it: zeros as jnp ops, unset natively
+    np.testing.assert_array_equal(got[:, :covered].view(np.uint16), _bits(whole)[:, :covered])
+    zeros_past = whole_reference.at[:, covered:].set(0)
+    np.testing.assert_array_equal(want.view(np.uint16), _bits(zeros_past))
+
+
+@pytest.mark.parametrize(
+    ("into", "first", "match"),
+    [
+        (jax.ShapeDtypeStruct((2, 4, 32), jnp.bfloat16), 2, "past into"),
+        (jax.ShapeDtypeStruct((3, 8, 32), jnp.bfloat16), 0, "want into"),
+        (jax.ShapeDtypeStruct((2, 8, 64), jnp.bfloat16), 0, "want into"),
+        (jax.ShapeDtypeStruct((2, 8, 32), jnp.float32), 0, "want into"),
+        (jax.ShapeDtypeStruct((2, 8, 32), jnp.bfloat16), -2, "start"),
+    ],
+)
+def test_each_decode_into_a_buffer_rejects_rows_it_cannot_hold(into, first, match):
+    packed = jnp.zeros((2, 4 * 34), jnp.uint8)
+    with pytest.raises(ValueError, match=match):
+        one_shot.decode_rotate_each(
+            packed, block=32, group=64, scale_dtype="bfloat16", into=into, first=first
+        )
+
+
 # --- two-shot's reduce-scatter: every chunk encoded, the own chunk reduced ----------------------
 
 
@@ -584,6 +632,49 @@ def test_the_chunk_reducer_rejects_bad_input_clearly(bad, match):
     received = bad.pop("received", [jnp.zeros(4 * 34, jnp.uint8)])
     with pytest.raises(ValueError, match=match):
         one_shot.reduce_chunk(jnp.zeros(256, jnp.bfloat16), 0, received, **{**args, **bad})
+
+
+def test_a_piece_of_a_chunk_reduces_to_the_rows_of_the_whole_chunks_payload(monkeypatch):
+    """Rows first .. first + count - 1 of the own chunk against those rows of whole received
+    payloads, or of a payload that travelled as pieces (firsts per payload): the payload of
+    those rows of the whole chunk's reduction, through the kernel and as jnp ops."""
+    rows, block, per_row = 16, 32, 34
+    x = _message(3000, seed=8)
+    received = [jnp.asarray(p) for p in _chunks(3, rows, block, "bfloat16", seed=6)]
+    args = dict(block=block, group=64, scale_dtype="bfloat16", hadamard=True)
+    whole = np.asarray(one_shot.reduce_chunk(x, 512, received, rows=rows, **args))
+    codes, scales = whole[: rows * block], whole[rows * block :]
+    first, count = 6, 4
+    want = np.concatenate(
+        [codes[first * block : (first + count) * block], scales[first * 2 : (first + count) * 2]]
+    )
+    # payload 0 as two pieces (rows 0-3 and 4-15), the piece here in the second
+    tail = one_shot.reduce_chunk(x, 512 + 4 * block, [], rows=rows - 4, **args)  # any bytes
+    tail_codes = np.asarray(received[0])[4 * block : rows * block]
+    tail_scales = np.asarray(received[0])[rows * block + 4 * 2 :]
+    split = jnp.asarray(np.concatenate([tail_codes, tail_scales]))
+    assert split.shape == tail.shape == ((rows - 4) * per_row,)
+    start = jnp.int32(512 + first * block)
+
+    def piece(x, start, *payloads):
+        return one_shot.reduce_chunk(
+            x, start, payloads, rows=count, firsts=[first - 4, first, first], **args
+        )
+
+    got, reference = _native_and_reference(monkeypatch, piece, x, start, split, *received[1:])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(reference, want)
+
+
+@pytest.mark.parametrize(
+    ("firsts", "match"),
+    [([0, 0], "a first row per received payload"), ([13], "R >= 17"), ([-1], "start")],
+)
+def test_the_chunk_reducer_rejects_rows_past_a_received_payload(firsts, match):
+    args = dict(block=32, group=64, scale_dtype="bfloat16", hadamard=True, rows=4)
+    received = [jnp.zeros(16 * 34, jnp.uint8)]
+    with pytest.raises(ValueError, match=match):
+        one_shot.reduce_chunk(jnp.zeros(256, jnp.bfloat16), 0, received, firsts=firsts, **args)
 
 
 def test_two_shot_equarx_reduce_scatters_with_the_kernels_only_where_they_apply():

@@ -151,15 +151,17 @@ void Rows(const Payloads& in, uint16_t* out, int64_t k, bool hadamard, int64_t r
 }
 
 // DecodeRotateEach (two-shot's last step): K payloads of different chunks, each decoded on its
-// own and rotated back in groups of G = k B elements (k consecutive rows of one payload):
+// own and rotated back in groups of G = k B elements (k consecutive rows of one payload), into
+// rows first .. first + M - 1 of each chunk of out [K, R, B] (R >= first + M):
 //
-//   out[p, g, :] = bf16(H_G (codes[p, rows of g] * their scales) / sqrt(G))
+//   out[p, first + g, :] = bf16(H_G (codes[p, rows of g] * their scales) / sqrt(G))
 //
 // payload p: codes int8 [M, B] then scales [M] as f32 (4 bytes) or bf16 (2 bytes). Per element
-// one multiply and log2(G) adds; one pass over K M (B + S) bytes in, 2 K M B out.
+// one multiply and log2(G) adds; one pass over K M (B + S) bytes in, 2 K M B out. `out` below
+// is the first row's start, chunk p's row r at out + (p R + r) B.
 
 template <int64_t G>
-void EachGroups(const Payloads& in, uint16_t* out, int64_t k) {
+void EachGroups(const Payloads& in, uint16_t* out, int64_t k, int64_t out_rows) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   const int64_t rows_per_group = G / in.block;
   alignas(64) float v[G];
@@ -171,7 +173,7 @@ void EachGroups(const Payloads& in, uint16_t* out, int64_t k) {
         v[e] = q == kNonFiniteCode ? nan : static_cast<float>(q) * in.Scale(p, r);
       }
       Fwht<G>(v);
-      uint16_t* o = out + (p * in.m + row) * in.block;
+      uint16_t* o = out + (p * out_rows + row) * in.block;
       for (int64_t e = 0; e < G; ++e) o[e] = F32ToBf16(v[e]);
     }
   }
@@ -263,7 +265,7 @@ void Rows64Avx512(const Payloads& in, uint16_t* out, int64_t k, bool hadamard, i
 
 // EachGroups<64> with AVX-512 (B = 16, 32 or 64): a group in four registers, register r holding
 // elements 16 r .. 16 r + 15, all of one row; the same arithmetic in the same order.
-void EachGroups64Avx512(const Payloads& in, uint16_t* out, int64_t k) {
+void EachGroups64Avx512(const Payloads& in, uint16_t* out, int64_t k, int64_t out_rows) {
   const __m512 nan = _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN());
   const __m512 halve = _mm512_set1_ps(0.5f);
   const InLane lanes;
@@ -277,7 +279,7 @@ void EachGroups64Avx512(const Payloads& in, uint16_t* out, int64_t k) {
         v[r] = Decode16(q + 16 * r, scale, nan);
       }
       Fwht64(v, lanes.partner, lanes.upper, halve);
-      uint16_t* o = out + (p * in.m + row) * in.block;
+      uint16_t* o = out + (p * out_rows + row) * in.block;
       for (int r = 0; r < 4; ++r) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * r), ToBf16(v[r]));
       }
@@ -555,7 +557,7 @@ ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF
                             hadamard, start);
 }
 
-using EachFn = void (*)(const Payloads&, uint16_t*, int64_t);
+using EachFn = void (*)(const Payloads&, uint16_t*, int64_t, int64_t);
 
 // The loop for groups of `group` elements made of rows of `block` (block divides group).
 EachFn EachFor(int64_t group, int64_t block) {
@@ -605,10 +607,9 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// Operands after `packed` are only held (not read), as in DequantizeRotateInto.
-ffi::Future DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::RemainingArgs /*held*/,
-                             ffi::ResultBuffer<ffi::BF16> out, int64_t block, int64_t group,
-                             int64_t scale_bytes) {
+// DecodeRotateEach into out (`size` elements, [K, R, B]) from row `first` of each chunk.
+ffi::Future DecodeRotateEachAt(ffi::Buffer<ffi::U8> packed, uint16_t* out, int64_t size,
+                               int64_t block, int64_t group, int64_t scale_bytes, int64_t first) {
   auto dims = packed.dimensions();
   const bool blocks_fit = block >= 1 && group % block == 0 && !(block & (block - 1));
   EachFn each = blocks_fit && group <= kMaxBlock ? EachFor(group, block) : nullptr;
@@ -625,9 +626,40 @@ ffi::Future DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::RemainingArgs /*h
         "multiple of group / block"));
   }
   const Payloads in{packed.typed_data(), dims[1], dims[1] / per_row, block, scale_bytes};
-  auto* to = reinterpret_cast<uint16_t*>(out->typed_data());
   const int64_t k = dims[0];
-  return Later([=] { each(in, to, k); });
+  const int64_t out_rows = size % (k * block) == 0 ? size / (k * block) : -1;
+  if (first < 0 || out_rows < first + in.m) {
+    return Failed(ffi::Error::InvalidArgument(
+        "decode_rotate_each: want out [K, R, block] with R >= first + M, first >= 0"));
+  }
+  uint16_t* to = out + first * block;
+  return Later([=] { each(in, to, k, out_rows); });
+}
+
+// Operands after `packed` are only held (not read), as in DequantizeRotateInto.
+ffi::Future DecodeRotateEach(ffi::Buffer<ffi::U8> packed, ffi::RemainingArgs /*held*/,
+                             ffi::ResultBuffer<ffi::BF16> out, int64_t block, int64_t group,
+                             int64_t scale_bytes, int64_t first) {
+  return DecodeRotateEachAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
+                            static_cast<int64_t>(out->element_count()), block, group,
+                            scale_bytes, first);
+}
+
+// DecodeRotateEach into `into`, which XLA aliases to the result (input_output_aliases): the
+// other rows keep into's values, so the pieces of an all-gather fill one buffer without copies.
+ffi::Future DecodeRotateEachInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF16> into,
+                                 ffi::RemainingArgs /*held*/, ffi::ResultBuffer<ffi::BF16> out,
+                                 int64_t block, int64_t group, int64_t scale_bytes,
+                                 int64_t first) {
+  if (into.element_count() != out->element_count()) {
+    return Failed(ffi::Error::InvalidArgument("decode_rotate_each: into and out differ in size"));
+  }
+  if (into.untyped_data() != out->untyped_data()) {  // not aliased: keep the semantics
+    std::memcpy(out->untyped_data(), into.untyped_data(), into.size_bytes());
+  }
+  return DecodeRotateEachAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
+                            static_cast<int64_t>(out->element_count()), block, group,
+                            scale_bytes, first);
 }
 
 // `chunks` payloads of M rows of `block` elements each (M = out's bytes per chunk / (block +
@@ -663,7 +695,9 @@ ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs /*held*/,
 // ReduceChunk (two-shot's owner step): the device's own chunk, M rows of `block` elements of x
 // (read flat from element `start`, an s32 operand since the owner's chunk is traced; zeros past
 // x's end), rotated in groups of `group` (hadamard), plus the K received payloads of that chunk
-// decoded and added in order (f32), quantized into one payload as RotateQuantize lays it out:
+// decoded and added in order (f32), quantized into one payload as RotateQuantize lays it out.
+// A received payload may hold more rows (a whole chunk where out is a piece of it): payload k's
+// rows firsts[k] .. firsts[k] + M - 1 are added:
 //
 //   acc = H_G x[chunk] / sqrt(G) + sum_k codes[k] * scales[k]     (k = 0, 1, ... in order)
 //
@@ -672,7 +706,8 @@ ffi::Error RotateQuantize(ffi::Buffer<ffi::BF16> x, ffi::RemainingArgs /*held*/,
 // multiply-adds, a multiply and a round.
 ffi::Future ReduceChunk(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> start,
                         ffi::RemainingArgs received, ffi::ResultBuffer<ffi::U8> out,
-                        int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard) {
+                        int64_t block, int64_t group, int64_t scale_bytes, int64_t hadamard,
+                        ffi::Span<const int64_t> firsts) {
   const int64_t total = static_cast<int64_t>(out->element_count());
   QuantizeFn quantize = QuantizeLayout(block, group, scale_bytes, total);
   if (quantize == nullptr || start.element_count() != 1) {
@@ -687,15 +722,20 @@ ffi::Future ReduceChunk(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> start,
   if (received.size() > kMaxReceived) {
     return Failed(ffi::Error::InvalidArgument("reduce_chunk: at most 64 received payloads"));
   }
-  const int64_t m = total / (block + scale_bytes);
+  const int64_t per_row = block + scale_bytes, m = total / per_row;
+  if (firsts.size() != received.size()) {
+    return Failed(ffi::Error::InvalidArgument("reduce_chunk: want a first row per payload"));
+  }
   std::vector<Payloads> payloads(received.size());
   for (size_t p = 0; p < received.size(); ++p) {
     auto payload = received.get<ffi::Buffer<ffi::U8>>(p);
-    if (!payload.has_value() || static_cast<int64_t>(payload->element_count()) != total) {
-      return Failed(
-          ffi::Error::InvalidArgument("reduce_chunk: want received payloads of out's bytes"));
+    const int64_t bytes = payload.has_value() ? payload->element_count() : 0;
+    if (firsts[p] < 0 || bytes % per_row != 0 || bytes / per_row < firsts[p] + m) {
+      return Failed(ffi::Error::InvalidArgument(
+          "reduce_chunk: want received payloads of whole rows, first + out's rows at least"));
     }
-    payloads[p] = Payloads{payload->typed_data(), total, m, block, scale_bytes};
+    payloads[p] = Payloads{payload->typed_data(), bytes, bytes / per_row, block, scale_bytes,
+                           firsts[p]};
   }
   const auto* x_flat = reinterpret_cast<const uint16_t*>(x.typed_data());
   const int64_t size = static_cast<int64_t>(x.element_count());
@@ -741,7 +781,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxReduceChunk, ReduceChunk,
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("group")
                                   .Attr<int64_t>("scale_bytes")
-                                  .Attr<int64_t>("hadamard"));
+                                  .Attr<int64_t>("hadamard")
+                                  .Attr<ffi::Span<const int64_t>>("firsts"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEach, DecodeRotateEach,
                               ffi::Ffi::Bind()
@@ -750,7 +791,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEach, DecodeRotateEach,
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("block")
                                   .Attr<int64_t>("group")
-                                  .Attr<int64_t>("scale_bytes"));
+                                  .Attr<int64_t>("scale_bytes")
+                                  .Attr<int64_t>("first"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDecodeRotateEachInto, DecodeRotateEachInto,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("group")
+                                  .Attr<int64_t>("scale_bytes")
+                                  .Attr<int64_t>("first"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EquarxDequantizeRotate, DequantizeRotate,
                               ffi::Ffi::Bind()

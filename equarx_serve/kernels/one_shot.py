@@ -21,6 +21,13 @@ encoded), `reduce_chunk` (the own chunk plus the received payloads, re-quantized
                                            hadamard=True, start=start, rows=M, chunks=N)
     reduced = one_shot.reduce_chunk(lanes, own_start, received, block=32, group=64,
                                     scale_dtype="bfloat16", hadamard=True, rows=M)
+    # ... or in pieces of the chunk's rows: m rows from row `first`, against rows firsts[k] on
+    # of received payload k; each all-gathered piece decoded into its rows of every chunk of one
+    # buffer (XLA aliases `into` to the result; the first piece's `into` a ShapeDtypeStruct)
+    piece = one_shot.reduce_chunk(lanes, own_start + first * 32, received, rows=m,
+                                  firsts=[first] * len(received), ...)
+    out = one_shot.decode_rotate_each(gathered_piece, block=32, group=64,
+                                      scale_dtype="bfloat16", into=out, first=first)
 
 In a one-shot all-reduce every device quantizes its whole message once, all-gathers the N
 payloads and turns them into its output. As XLA ops on CPU that is a dense [B, B] product by H
@@ -97,6 +104,9 @@ REDUCE_CHUNK = NativeKernel(
 )
 DECODE_EACH = NativeKernel(
     _SOURCE, "EquarxDecodeRotateEach", "equarx_decode_rotate_each", "XLA's ops", _FLAGS
+)
+DECODE_EACH_INTO = NativeKernel(
+    _SOURCE, "EquarxDecodeRotateEachInto", "equarx_decode_rotate_each_into", "XLA's ops", _FLAGS
 )
 _SCALE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -259,22 +269,46 @@ def decode_rotate_each(
     group: int,
     scale_dtype: str,
     held: Sequence[jax.Array] = (),
+    into: jax.Array | jax.ShapeDtypeStruct | None = None,
+    first: int = 0,
 ) -> jax.Array:
     """Two-shot's last step: packed u8 [K, M * (B + S)] (K all-gathered chunk payloads, codes
     then scales) -> bf16 [K, M, B], each chunk decoded and rotated back in groups of `group`:
     the kernel on CPU where it is available, else `decode_rotate_each_reference` (the same
-    bits). `held`: arrays the kernel takes without reading them, as `dequantize_rotate_into`."""
+    bits). `held`: arrays the kernel takes without reading them, as `dequantize_rotate_into`.
+    With `into` (bf16 [K, R, B], R >= first + M): into with rows first .. first + M - 1 of
+    each chunk replaced by the decoded rows, so that the pieces of an all-gather (rows of every
+    chunk) fill one buffer: XLA aliases `into` to the result (no copy); a ShapeDtypeStruct is a
+    new buffer whose other rows are left unset (zeros without the kernel), for the first piece."""
     k, m = _each_rows(packed, block, group, scale_dtype)
-    out = jax.ShapeDtypeStruct((k, m, block), jnp.bfloat16)
+    _check_start(first)
     attrs = dict(
         block=np.int64(block),
         group=np.int64(group),
         scale_bytes=np.int64(_SCALE_BYTES[scale_dtype]),
+        first=np.int64(first),
     )
-    native = functools.partial(_call, DECODE_EACH, out=out, **attrs)
     codec = dict(block=block, group=group, scale_dtype=scale_dtype)
-    reference = lambda packed, *held: decode_rotate_each_reference(packed, **codec)
-    return _native_or(reference, DECODE_EACH, native, packed, *held)
+    if into is None:
+        out = jax.ShapeDtypeStruct((k, m, block), jnp.bfloat16)
+        native = functools.partial(_call, DECODE_EACH, out=out, **attrs)
+        reference = lambda packed, *held: decode_rotate_each_reference(packed, **codec)
+        return _native_or(reference, DECODE_EACH, native, packed, *held)
+    if into.dtype != jnp.bfloat16 or into.ndim != 3 or into.shape[::2] != (k, block):
+        raise ValueError(f"want into bf16 [{k}, R, {block}], got {into.dtype} {into.shape}")
+    if into.shape[1] < first + m:
+        raise ValueError(f"rows {first} .. {first + m - 1} are past into's {into.shape[1]}")
+    out = jax.ShapeDtypeStruct(into.shape, jnp.bfloat16)
+
+    def reference(packed: jax.Array, into: jax.Array, *held: jax.Array) -> jax.Array:
+        return into.at[:, first : first + m].set(decode_rotate_each_reference(packed, **codec))
+
+    if isinstance(into, jax.ShapeDtypeStruct):
+        native = functools.partial(_call, DECODE_EACH, out=out, **attrs)
+        fresh = lambda packed, *held: reference(packed, jnp.zeros(out.shape, out.dtype))
+        return _native_or(fresh, DECODE_EACH, native, packed, *held)
+    native = functools.partial(_call, DECODE_EACH_INTO, out=out, aliases={1: 0}, **attrs)
+    return _native_or(reference, DECODE_EACH_INTO, native, packed, into, *held)
 
 
 def pays(block: int) -> bool:
@@ -411,30 +445,39 @@ def reduce_chunk(
     hadamard: bool,
     group: int | None = None,
     scale_dtype: str = "float32",
+    firsts: Sequence[int] | None = None,
 ) -> jax.Array:
     """Two-shot's owner step: `rows` rows of `block` elements of x (bf16, any shape, read flat)
     from element `start` (traced; zeros past x's end), each group of `group` rotated
-    (`hadamard`), plus the `received` payloads of those rows (u8 [rows * (block + S)] each, as
+    (`hadamard`), plus the `received` payloads (u8 [R * (block + S)] each, as
     `rotate_quantize_chunks` lays one out) decoded and added in order in f32, quantized into one
-    such payload -> u8 [rows * (block + S)]. The kernel on CPU where it is available, else the
-    same arithmetic as jnp ops (the same bits)."""
+    such payload -> u8 [rows * (block + S)]. Payload k adds its rows firsts[k] .. firsts[k] +
+    rows - 1 (default: all from row 0), so that a piece of a chunk reduces against the whole
+    chunks received, or against the piece of one that travelled on its own. The kernel on CPU
+    where it is available, else the same arithmetic as jnp ops (the same bits)."""
     group = group or block
     _check_chunks(x, block, group, scale_dtype, 0, rows, 1)
+    firsts = [0] * len(received) if firsts is None else list(firsts)
+    if len(firsts) != len(received):
+        raise ValueError(f"want a first row per received payload, got {firsts} for {len(received)}")
     codec = dict(block=block, group=group, hadamard=hadamard, scale_dtype=scale_dtype)
-    scale_bytes = _SCALE_BYTES[scale_dtype]
-    size = rows * (block + scale_bytes)
-    for payload in received:
-        if payload.dtype != jnp.uint8 or payload.shape != (size,):
+    per_row = block + _SCALE_BYTES[scale_dtype]
+    for payload, first in zip(received, firsts, strict=True):
+        _check_start(first)
+        whole = payload.ndim == 1 and payload.shape[0] % per_row == 0
+        if payload.dtype != jnp.uint8 or not whole or payload.shape[0] // per_row < first + rows:
             raise ValueError(
-                f"want received payloads u8 [{size}], got {payload.dtype} {payload.shape}"
+                f"want received payloads u8 [R * {per_row}] with R >= {first + rows} (rows "
+                f"{first} .. {first + rows - 1} are added), got {payload.dtype} {payload.shape}"
             )
     start = jnp.asarray(start, jnp.int32)
-    out = jax.ShapeDtypeStruct((size,), jnp.uint8)
+    out = jax.ShapeDtypeStruct((rows * per_row,), jnp.uint8)
     attrs = dict(
         block=np.int64(block),
         group=np.int64(group),
-        scale_bytes=np.int64(scale_bytes),
+        scale_bytes=np.int64(per_row - block),
         hadamard=np.int64(hadamard),
+        firsts=np.asarray(firsts, np.int64),
     )
     native = functools.partial(_call, REDUCE_CHUNK, out=out, **attrs)
 
@@ -442,9 +485,10 @@ def reduce_chunk(
         flat = jnp.pad(x.reshape(-1), (0, rows * block))
         values = lax.dynamic_slice_in_dim(flat, start, rows * block)
         payloads = []
-        for payload in received:
-            codes, scales = _split(payload[None], rows, block, scale_dtype)
-            payloads.append((codes[0], scales[0][:, None]))
+        for payload, first in zip(received, firsts, strict=True):
+            codes, scales = _split(payload[None], payload.shape[0] // per_row, block, scale_dtype)
+            piece = slice(first, first + rows)
+            payloads.append((codes[0, piece], scales[0, piece][:, None]))
         return _quantize_reference(values, received=tuple(payloads), **codec)[0]
 
     return _native_or(reference, REDUCE_CHUNK, native, x, start, *received)
