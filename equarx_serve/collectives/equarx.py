@@ -434,12 +434,14 @@ class EquarxInt8(RingAllReduce):
             prepare = lambda lane: _rotate_lane(rotation, lane, jnp.float32)
         encoder = self._two_shot_kernels(x.dtype, axis_size, rotate_input=rotate_input)
         if self._decodes_natively(x.dtype, axis_size):
-            decode = lambda gathered, held: one_shot.decode_rotate_each(
+            decode = lambda gathered, held, into, first: one_shot.decode_rotate_each(
                 gathered,
                 block=self.block_size,
                 group=rotation.block,
                 scale_dtype=self.scale_dtype,
                 held=held,
+                into=into,
+                first=first,
             )
             return self.ring_reduce(
                 x,
@@ -543,9 +545,11 @@ class EquarxInt8(RingAllReduce):
             encode=lambda lanes, start, rows: one_shot.rotate_quantize_chunks(
                 lanes, start=start, rows=rows, chunks=lanes.shape[2], **codec
             ),
-            reduce=lambda lanes, start, rows, received: one_shot.reduce_chunk(
-                lanes, start, received, rows=rows, **codec
+            reduce=lambda lanes, start, rows, received, firsts: one_shot.reduce_chunk(
+                lanes, start, received, rows=rows, firsts=firsts, **codec
             ),
+            row_bytes=self.payload_bytes(self.block_size, dtype),
+            group_rows=self._quantized_group // self.block_size,
         )
 
     def _one_shot_kernels(

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import operator
 from collections.abc import Callable
 from typing import Any, ClassVar, Protocol
@@ -79,6 +80,13 @@ MAX_SLICES = 256  # slice_bytes never cuts a message into more lanes (program si
 # 240-244 / 965-1007 ms vs 270-293 / 1050-1109 ms, `equarx-int8` 146-150 / 596-600 ms vs
 # 161-162 / 689-714 ms).
 SWAP_PIECE_BYTES = 512 * 1024
+# Two-shot's reduce, all-gather and decode go in pieces of a lane's rows of at most this many
+# payload bytes each (`_native_two_shot_all_reduce`), so that a piece's decode runs while the next
+# piece is on the wire. 4 emulated hosts, 1 Gbit/s, `equarx-int8`, two runs each (README, stage
+# 14): pieces of 256 KiB / 512 KiB / 1 MiB / 2 MiB 131-134 / 138-139 / 131-139 / 134-138 ms at
+# 16 MiB and 542-559 / 534-535 / 548 / 547-550 ms at 64 MiB, within this machine's spread of one
+# another; in one piece 137-142 and 579-601 ms.
+GATHER_PIECE_BYTES = 512 * 1024
 
 
 class Codec(Protocol):
@@ -191,8 +199,12 @@ def permute_payload_shift(payload: Payload, axis_name: str, axis_size: int, shif
 
 LaneFn = Callable[[jax.Array], jax.Array]
 PayloadFn = Callable[[Payload], jax.Array]
-# all-gathered bytes, and arrays to hold live until the call without reading them -> a lane
-GatheredFn = Callable[[jax.Array, tuple[jax.Array, ...]], jax.Array]
+# all-gathered bytes (rows `first` on of every chunk), arrays to hold live until the call
+# without reading them, and the lane [N, R, B] they are decoded into (a ShapeDtypeStruct: a new
+# one) -> that lane with those rows replaced
+GatheredFn = Callable[
+    [jax.Array, tuple[jax.Array, ...], "jax.Array | jax.ShapeDtypeStruct", int], jax.Array
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,14 +228,18 @@ class NativeTwoShot:
     """Two-shot's reduce-scatter as two fused kernels on the bytes that travel, reading the
     lanes [D, S, N, R, B] flat: `encode(lanes, start, rows)` maps the lane from element `start`
     to its N chunk payloads (what `prepare` and the codec's encoding give, as `pack_payload`
-    lays each out), u8 [N, bytes]; `reduce(lanes, start, rows, received)` maps the device's own
-    chunk (R rows from element `start`, traced) and the N - 1 payloads it received (u8 [bytes]
-    each, in shift order) to the reduced chunk's payload, u8 [bytes] (what `prepare` and the
-    codec's accumulate-encode give); with nothing received, to that chunk's payload (what
-    `encode` gives for it: `_native_two_shot_all_reduce` encodes each chunk it sends so)."""
+    lays each out), u8 [N, bytes]; `reduce(lanes, start, rows, received, firsts)` maps `rows`
+    rows of the device's own chunk from element `start` (traced) and rows firsts[k] on of the
+    N - 1 payloads k it received (u8 [bytes] each, in shift order) to the payload of those
+    reduced rows, u8 [bytes] (what `prepare` and the codec's accumulate-encode give); with
+    nothing received, to their payload (what `encode` gives for them:
+    `_native_two_shot_all_reduce` encodes each chunk it sends so). A payload has `row_bytes`
+    bytes a row; a piece of a chunk is whole groups of `group_rows` rows."""
 
     encode: Callable[[jax.Array, int, int], jax.Array]
-    reduce: Callable[[jax.Array, jax.Array, int, list[jax.Array]], jax.Array]
+    reduce: Callable[[jax.Array, jax.Array, int, list[jax.Array], list[int]], jax.Array]
+    row_bytes: int
+    group_rows: int = 1
 
 
 def pipelined_all_reduce(
@@ -318,7 +334,7 @@ def pipelined_all_reduce(
                     payload[key] = codec.accumulate_encode(local, tuple(received[key]))
                     continue
                 own = start[key] + index * (lane_size // n)
-                reduced = native.reduce(lanes, own, rows, received[key])
+                reduced = native.reduce(lanes, own, rows, received[key], [0] * (n - 1))
                 # the codec decodes it (`decode_gathered` goes to _native_two_shot_all_reduce)
                 payload[key] = _unpack_like(reduced, codec, lanes.shape[3:])
     else:
@@ -335,7 +351,8 @@ def pipelined_all_reduce(
         elif decode_gathered is not None:  # the kernel, on the bytes as they arrive
             with jax.named_scope("all_gather"):
                 gathered = lax.all_gather(pack_payload(payload[key]), axis_name)
-            decoded[key] = decode_gathered(gathered, ())
+            lane = jax.ShapeDtypeStruct(lanes.shape[2:], out_dtype)
+            decoded[key] = decode_gathered(gathered, (), lane, 0)
             continue
         else:
             with jax.named_scope("all_gather"):
@@ -346,6 +363,16 @@ def pipelined_all_reduce(
     )
 
 
+def _gather_pieces(rows: int, row_bytes: int, group_rows: int) -> list[tuple[int, int]]:
+    """(first row, rows) of the pieces a reduced chunk of `rows` rows of `row_bytes` bytes is
+    all-gathered in: as many as keep a piece within GATHER_PIECE_BYTES, whole groups of
+    `group_rows` rows each (the first ones one group larger where they do not divide evenly)."""
+    groups = rows // group_rows
+    count = max(1, min(groups, -(-rows * row_bytes // GATHER_PIECE_BYTES)))
+    sizes = [(groups // count + (i < groups % count)) * group_rows for i in range(count)]
+    return list(zip(itertools.accumulate(sizes, initial=0), sizes, strict=False))
+
+
 def _native_two_shot_all_reduce(
     lanes: jax.Array, axis_name: str, native: NativeTwoShot, decode_gathered: GatheredFn
 ) -> jax.Array:
@@ -354,56 +381,94 @@ def _native_two_shot_all_reduce(
     that lane k - 1's reduce runs while lane k's permutes are on the wire and its decode while
     lane k + 1's are. Each chunk a device sends is encoded on its own (`encode`), so that the
     first transfer waits for one encode and the others run during it: on CPU the kernels run
-    beside XLA's thread (`one_shot.cc`, `Later`). As in `packed_one_shot_all_reduce`, XLA:CPU
-    runs collectives one at a time in schedule order and a buffer's reuse is an edge of its DAG:
-    each collective is put behind the previous one (an optimization barrier), and every
-    received and all-gathered buffer is held until the last decode, else a lane's collective
-    waited for the previous lane's compute."""
-    num_dirs, num_slices, n, rows = lanes.shape[:4]
-    lane_size = n * rows * lanes.shape[4]
+    beside XLA's thread (`one_shot.cc`, `Later`). A lane's reduce, all-gather and decode go in
+    pieces of its rows (`_gather_pieces`): piece j's all-gather waits only for piece j's reduce,
+    and piece j's decode runs while piece j + 1 is on the wire, so that only the first piece's
+    reduce and the last piece's decode sit outside the transfers; likewise the first chunk sent
+    goes as its first piece, then the rest, so that the first transfer waits only for that
+    piece's encode. As in `packed_one_shot_all_reduce`, XLA:CPU runs collectives one at a time
+    in schedule order and a buffer's reuse is an edge of its DAG: each collective is put behind
+    the previous one (an optimization barrier), and every received and all-gathered buffer is
+    held until the last decode, else a lane's collective waited for the previous lane's
+    compute."""
+    num_dirs, num_slices, n, rows, block = lanes.shape
+    lane_size = n * rows * block
+    pieces = _gather_pieces(rows, native.row_bytes, native.group_rows)
     index = lax.axis_index(axis_name)
     held: list[jax.Array] = []
     last: list[jax.Array] = []  # the latest collective's result
-    encoded: list[jax.Array] = []  # every chunk payload encoded so far, in order
+    encoded: list[jax.Array] = []  # every payload encoded so far, in order
 
-    def encode(start: jax.Array) -> jax.Array:
-        """The payload of the chunk from element `start` (the reduce kernel, nothing received).
-        The first two encodes start together, every later one after the one before it: an
-        encode whose input was ready at once would wait behind the collective that the
+    def encode(start: jax.Array, count: int = rows) -> jax.Array:
+        """The payload of `count` rows from element `start` (the reduce kernel, nothing
+        received). The first two encodes start together, every later one after the one before
+        it: an encode whose input was ready at once would wait behind the collective that the
         previous encode's completion released (XLA:CPU takes ready operations in schedule order
         on one thread), and all at once they would share the cores."""
         source = _behind(lanes, encoded[-1] if len(encoded) >= 2 else None)
-        encoded.append(native.reduce(source, start, rows, []))
+        encoded.append(native.reduce(source, start, count, [], []))
         return encoded[-1]
 
-    def all_gather(reduced: jax.Array, *, final: bool) -> jax.Array:
-        gathered = lax.all_gather(_behind(reduced, last[-1] if last else None), axis_name)
-        last.append(gathered)
-        decoded = decode_gathered(gathered, tuple(held) if final else ())
-        held.append(gathered)
-        return decoded
+    def send(segments: list[tuple[int, jax.Array]], shift: int) -> list[tuple[int, jax.Array]]:
+        """Each (first row, payload) segment of a chunk to the device `shift` after this one,
+        one after another behind the previous collective; the segments received."""
+        received = []
+        for first, payload in segments:
+            got, latest = permute_shift(
+                payload, axis_name, n, shift, after=last[-1] if last else None
+            )
+            received.append((first, got))
+            last.append(latest)
+        return received
 
-    decoded, pending = [], None  # pending: the previous lane's reduced payload
+    def reduce(own: jax.Array, received: list[list[tuple[int, jax.Array]]]) -> list:
+        """The reduced payload of each piece of the own chunk, each reduce after the one before
+        (the first piece's all-gather waits for the first alone); a piece reads the received
+        segment that holds its rows."""
+        reduced, previous = [], None
+        for first, count in pieces:
+            segments = [max((seg for seg in chunk if seg[0] <= first), key=lambda seg: seg[0])
+                        for chunk in received]  # fmt: skip
+            payloads = [payload for _, payload in segments]
+            firsts = [first - seg_first for seg_first, _ in segments]
+            source = _behind(lanes, previous)
+            previous = native.reduce(source, own + first * block, count, payloads, firsts)
+            reduced.append((first, previous))
+        return reduced
+
+    def all_gather(reduced: list, *, final: bool) -> jax.Array:
+        lane = jax.ShapeDtypeStruct((n, rows, block), lanes.dtype)
+        for number, (first, payload) in enumerate(reduced):
+            gathered = lax.all_gather(_behind(payload, last[-1] if last else None), axis_name)
+            last.append(gathered)
+            at_last = final and number == len(reduced) - 1
+            lane = decode_gathered(gathered, tuple(held) if at_last else (), lane, first)
+            held.append(gathered)
+        return lane
+
+    decoded, pending = [], None  # pending: the previous lane's reduced pieces
     for d in range(num_dirs):
         dr = 1 if d == 0 else -1
         for s in range(num_slices):
             start = (d * num_slices + s) * lane_size
-            outgoing = [encode(start + (index + dr * shift) % n * (lane_size // n))
-                        for shift in range(1, n)]  # fmt: skip
+            targets = [start + (index + dr * shift) % n * (lane_size // n) for shift in range(1, n)]
+            if pending is None and len(pieces) > 1:  # the call's first chunk: its first piece
+                head = pieces[1][0]
+                outgoing = [[(0, encode(targets[0], head)),
+                             (head, encode(targets[0] + head * block, rows - head))]]  # fmt: skip
+            else:
+                outgoing = [[(0, encode(targets[0]))]]
+            outgoing += [[(0, encode(target))] for target in targets[1:]]
             received = []
             with jax.named_scope("two_shot_reduce_scatter"):
-                for shift, payload in enumerate(outgoing, start=1):
-                    got, latest = permute_shift(
-                        payload, axis_name, n, dr * shift, after=last[-1] if last else None
-                    )
-                    received.append(got)
-                    last.append(latest)
-            held += received
+                for shift, segments in enumerate(outgoing, start=1):
+                    received.append(send(segments, dr * shift))
+            held += [payload for chunk in received for _, payload in chunk]
             own = start + index * (lane_size // n)
             if pending is not None:
                 with jax.named_scope("all_gather"):
                     decoded.append(all_gather(pending, final=False))
-            pending = native.reduce(lanes, own, rows, received)
+            pending = reduce(own, received)
     with jax.named_scope("all_gather"):
         decoded.append(all_gather(pending, final=True))
     return jnp.stack(decoded).reshape(lanes.shape[:2] + decoded[0].shape)

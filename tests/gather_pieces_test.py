@@ -1,0 +1,70 @@
+"""Two-shot's reduce, all-gather and decode go in pieces of a lane's rows (at most
+`GATHER_PIECE_BYTES` of payload each), and the call's first chunk travels as its first piece and
+the rest: more collectives and kernel calls, the same all-reduce bits as in one piece."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from conftest import AXIS, llm_activations, mesh_of
+from hypothesis import given
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from equarx_serve.collectives import get_all_reduce, ring
+from equarx_serve.kernels import one_shot
+
+
+@given(
+    groups=st.integers(1, 5000),
+    group_rows=st.sampled_from([1, 2, 4]),
+    row_bytes=st.sampled_from([34, 66, 68]),
+    limit=st.integers(1, 1 << 20),
+)
+def test_the_pieces_cover_the_rows_in_order_in_whole_groups_within_the_limit(
+    groups, group_rows, row_bytes, limit
+):
+    rows = groups * group_rows
+    ring_limit = ring.GATHER_PIECE_BYTES
+    try:
+        ring.GATHER_PIECE_BYTES = limit
+        pieces = ring._gather_pieces(rows, row_bytes, group_rows)
+    finally:
+        ring.GATHER_PIECE_BYTES = ring_limit
+    ends = [first + count for first, count in pieces]
+    assert [first for first, _ in pieces] == [0, *ends[:-1]] and ends[-1] == rows
+    assert all(count > 0 and count % group_rows == 0 for _, count in pieces)
+    largest = max(count for _, count in pieces)
+    assert largest - min(count for _, count in pieces) <= group_rows  # as even as groups allow
+    assert largest * row_bytes <= max(limit + group_rows * row_bytes, group_rows * row_bytes)
+
+
+def _program(ar, n: int):
+    fn = lambda b: ar(b[0], AXIS)[None]
+    return jax.jit(jax.shard_map(fn, mesh=mesh_of(n), in_specs=P(AXIS), out_specs=P(AXIS)))
+
+
+@pytest.mark.parametrize("options", [{}, {"num_slices": 2}, {"bidirectional": True}])
+def test_all_reduce_bits_do_not_depend_on_the_gather_pieces(monkeypatch, options):
+    if not (one_shot.quantizes_chunks(32, 64) and one_shot.decodes_each(32, 64)):
+        pytest.skip("the two-shot kernels do not run on this CPU")
+    ar = get_all_reduce("equarx-int8", min_size_bytes=0, **options)
+    n = 4
+    x = llm_activations(n, tokens=64, hidden=1024).astype(jax.numpy.bfloat16)
+    x = jax.device_put(x, NamedSharding(mesh_of(n), P(AXIS)))
+
+    def run(piece_bytes: int) -> tuple[np.ndarray, str]:
+        monkeypatch.setattr(ring, "GATHER_PIECE_BYTES", piece_bytes)
+        program = _program(ar, n)
+        return np.asarray(program(x)), program.lower(x).compile().as_text()
+
+    whole, whole_hlo = run(1 << 30)
+    pieces, pieces_hlo = run(2000)
+    np.testing.assert_array_equal(pieces, whole)
+    assert pieces_hlo.count(" all-gather(") > whole_hlo.count(" all-gather(")
+    # the first chunk as its first piece and the rest: one more permute
+    assert pieces_hlo.count(" collective-permute(") == whole_hlo.count(" collective-permute(") + 1
+    into = f'custom_call_target="{one_shot.DECODE_EACH_INTO.target}"'
+    assert into in pieces_hlo and into not in whole_hlo
