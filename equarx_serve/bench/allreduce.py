@@ -429,10 +429,16 @@ def _measure_mesh(
             for row in r["rows"]
             if (row.get("slices") or 1) > 1
         )
+        pieces = sorted(
+            {row["gather_piece_bytes"] for r in mesh_results for row in r["rows"]} - {None, 0}
+        )
+        in_pieces = "; two-shot's all-gather in pieces of at most " + ", ".join(
+            format_size(p) for p in pieces
+        )
         bar.write(
-            f"transport probe (what slice_bytes='auto' goes by): "
+            f"transport probe (what slice_bytes='auto' and two-shot's pieces go by): "
             f"{probe['bits_per_s'] / 1e9:.2f} Gbit/s sent per device; "
-            f"{'slices: ' + sliced if sliced else 'no row sliced'}"
+            f"{'slices: ' + sliced if sliced else 'no row sliced'}{in_pieces if pieces else ''}"
         )
     return mesh_results
 

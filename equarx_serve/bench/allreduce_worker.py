@@ -217,6 +217,7 @@ def measure(
             "wire_bytes_hlo_total": sum(hlo_bytes.values()),
             "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
             "slices": _slices(ar, num_elements, n),
+            "gather_piece_bytes": _gather_piece_bytes(ar, n),
             **_errors(program(inputs), expected),
         }
 
@@ -280,6 +281,16 @@ def _slices(ar: object, num_elements: int, n: int) -> int | None:
     if not isinstance(ar, RingAllReduce):
         return None
     return ar.slices_for(num_elements, jnp.bfloat16, n)
+
+
+def _gather_piece_bytes(ar: object, n: int) -> int | None:
+    """The most payload bytes of a piece of two-shot's all-gather for an `equarx-int8` method
+    that runs two-shot here (0: whole chunks), else None."""
+    if isinstance(ar, RotatedInput):
+        ar = ar.method
+    if not isinstance(ar, EquarxInt8) or ar.schedule_for(n) != "two-shot":
+        return None
+    return ar.gather_piece_bytes()
 
 
 def command(

@@ -88,6 +88,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx_serve.collectives import ring, transport
 from equarx_serve.collectives.base import AllReduce, check_float_dtype, ring_all_reduce_bytes
 from equarx_serve.collectives.hadamard import (
     MAX_DENSE_BLOCK,
@@ -203,6 +204,14 @@ class EquarxInt8(RingAllReduce):
     # (`transport`) read 0.65 Gbit/s (2.5 Gbit/s: 1.73).
     AUTO_SLICE_BYTES: ClassVar[int] = 512 * 1024
     AUTO_SLICE_BELOW_BITS_PER_S: ClassVar[float] = 1.2e9
+    # Two-shot's reduce, all-gather and decode in pieces (`ring.GATHER_PIECE_BYTES`) only where
+    # `transport.measure` found a link slower than this. Measured at N = 4 (README, stage 14),
+    # 16 / 64 MiB, in pieces against whole: 1 Gbit/s (probe 0.84 Gbit/s) 128-133 / 530-547 ms
+    # against 138-142 / 579-601 ms; 2.5 Gbit/s (probe 1.6-2.3) 75.0 / 298.8 against 75.5 /
+    # 315.0 ms; but 10 Gbit/s (probe 4.6-5.3) 73.6 / 277.0 against 66.0 / 235.6 ms and loopback
+    # (probe 5.8-6.1) 77.6 / 334.7 against 56.9 / 216.9 ms: where the link is fast, each extra
+    # collective's fixed cost is more than the decode it hides.
+    AUTO_PIECES_BELOW_BITS_PER_S: ClassVar[float] = 3e9
 
     # The codec, where not given (None): chosen by the schedule the axis size runs
     # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with bfloat16 scales for one-shot (N = 2,
@@ -550,7 +559,17 @@ class EquarxInt8(RingAllReduce):
             ),
             row_bytes=self.payload_bytes(self.block_size, dtype),
             group_rows=self._quantized_group // self.block_size,
+            piece_bytes=self.gather_piece_bytes(),
         )
+
+    def gather_piece_bytes(self) -> int:
+        """The most payload bytes of a piece of two-shot's reduce, all-gather and decode:
+        `ring.GATHER_PIECE_BYTES` where `transport.measure` found a link slower than
+        AUTO_PIECES_BELOW_BITS_PER_S, else 0 (whole chunks: loopback, fast links, fake
+        devices)."""
+        measured = transport.link()
+        slow = measured is not None and measured.bits_per_s < self.AUTO_PIECES_BELOW_BITS_PER_S
+        return ring.GATHER_PIECE_BYTES if slow else 0
 
     def _one_shot_kernels(
         self, dtype: jnp.dtype, axis_size: int, *, rotate_input: bool

@@ -80,12 +80,13 @@ MAX_SLICES = 256  # slice_bytes never cuts a message into more lanes (program si
 # 240-244 / 965-1007 ms vs 270-293 / 1050-1109 ms, `equarx-int8` 146-150 / 596-600 ms vs
 # 161-162 / 689-714 ms).
 SWAP_PIECE_BYTES = 512 * 1024
-# Two-shot's reduce, all-gather and decode go in pieces of a lane's rows of at most this many
-# payload bytes each (`_native_two_shot_all_reduce`), so that a piece's decode runs while the next
-# piece is on the wire. 4 emulated hosts, 1 Gbit/s, `equarx-int8`, two runs each (README, stage
-# 14): pieces of 256 KiB / 512 KiB / 1 MiB / 2 MiB 131-134 / 138-139 / 131-139 / 134-138 ms at
-# 16 MiB and 542-559 / 534-535 / 548 / 547-550 ms at 64 MiB, within this machine's spread of one
-# another; in one piece 137-142 and 579-601 ms.
+# Where the link is slow (`EquarxInt8.gather_piece_bytes`), two-shot's reduce, all-gather and
+# decode go in pieces of a lane's rows of at most this many payload bytes each
+# (`_native_two_shot_all_reduce`), so that a piece's decode runs while the next piece is on the
+# wire. 4 emulated hosts, 1 Gbit/s, `equarx-int8`, two runs each (README, stage 14): pieces of
+# 256 KiB / 512 KiB / 1 MiB / 2 MiB 131-134 / 138-139 / 131-139 / 134-138 ms at 16 MiB and
+# 542-559 / 534-535 / 548 / 547-550 ms at 64 MiB, within this machine's spread of one another;
+# in one piece 137-142 and 579-601 ms.
 GATHER_PIECE_BYTES = 512 * 1024
 
 
@@ -234,12 +235,14 @@ class NativeTwoShot:
     reduced rows, u8 [bytes] (what `prepare` and the codec's accumulate-encode give); with
     nothing received, to their payload (what `encode` gives for them:
     `_native_two_shot_all_reduce` encodes each chunk it sends so). A payload has `row_bytes`
-    bytes a row; a piece of a chunk is whole groups of `group_rows` rows."""
+    bytes a row; a lane's reduce, all-gather and decode go in pieces of whole groups of
+    `group_rows` rows and at most `piece_bytes` of payload (0: whole chunks)."""
 
     encode: Callable[[jax.Array, int, int], jax.Array]
     reduce: Callable[[jax.Array, jax.Array, int, list[jax.Array], list[int]], jax.Array]
     row_bytes: int
     group_rows: int = 1
+    piece_bytes: int = 0
 
 
 def pipelined_all_reduce(
@@ -363,12 +366,14 @@ def pipelined_all_reduce(
     )
 
 
-def _gather_pieces(rows: int, row_bytes: int, group_rows: int) -> list[tuple[int, int]]:
+def _gather_pieces(
+    rows: int, row_bytes: int, group_rows: int, piece_bytes: int
+) -> list[tuple[int, int]]:
     """(first row, rows) of the pieces a reduced chunk of `rows` rows of `row_bytes` bytes is
-    all-gathered in: as many as keep a piece within GATHER_PIECE_BYTES, whole groups of
+    all-gathered in: as many as keep a piece within `piece_bytes` (0: one), whole groups of
     `group_rows` rows each (the first ones one group larger where they do not divide evenly)."""
     groups = rows // group_rows
-    count = max(1, min(groups, -(-rows * row_bytes // GATHER_PIECE_BYTES)))
+    count = max(1, min(groups, -(-rows * row_bytes // piece_bytes))) if piece_bytes else 1
     sizes = [(groups // count + (i < groups % count)) * group_rows for i in range(count)]
     return list(zip(itertools.accumulate(sizes, initial=0), sizes, strict=False))
 
@@ -381,8 +386,8 @@ def _native_two_shot_all_reduce(
     that lane k - 1's reduce runs while lane k's permutes are on the wire and its decode while
     lane k + 1's are. Each chunk a device sends is encoded on its own (`encode`), so that the
     first transfer waits for one encode and the others run during it: on CPU the kernels run
-    beside XLA's thread (`one_shot.cc`, `Later`). A lane's reduce, all-gather and decode go in
-    pieces of its rows (`_gather_pieces`): piece j's all-gather waits only for piece j's reduce,
+    beside XLA's thread (`one_shot.cc`, `Later`). A lane's reduce, all-gather and decode may go
+    in pieces of its rows (`_gather_pieces`): piece j's all-gather waits only for piece j's reduce,
     and piece j's decode runs while piece j + 1 is on the wire, so that only the first piece's
     reduce and the last piece's decode sit outside the transfers; likewise the first chunk sent
     goes as its first piece, then the rest, so that the first transfer waits only for that
@@ -393,7 +398,7 @@ def _native_two_shot_all_reduce(
     compute."""
     num_dirs, num_slices, n, rows, block = lanes.shape
     lane_size = n * rows * block
-    pieces = _gather_pieces(rows, native.row_bytes, native.group_rows)
+    pieces = _gather_pieces(rows, native.row_bytes, native.group_rows, native.piece_bytes)
     index = lax.axis_index(axis_name)
     held: list[jax.Array] = []
     last: list[jax.Array] = []  # the latest collective's result
