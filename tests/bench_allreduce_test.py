@@ -108,6 +108,9 @@ def test_timeline_shows_where_every_process_spent_one_call(tmp_path, capsys):
             length = summary["end_ms"] - summary["start_ms"]
             assert 0 <= summary["idle_ms"] <= length
             assert max(summary["busy_ms"].values()) <= length
+            # the result is ready after the last op (the profiler's clock and the worker's are
+            # both wall time; a millisecond for the two clocks' reading)
+            assert summary["ready_ms"] >= summary["end_ms"] - 1.0
 
 
 def _bench(tmp_path, *extra: str) -> dict[str, object]:

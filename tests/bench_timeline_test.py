@@ -62,6 +62,11 @@ def test_summary_counts_overlapping_work_once_and_idle_between_spans():
     assert early.busy_ms == {"collective": 7.0, "kernel": 2.0, "compute": 1.0}
     assert early.idle_ms == pytest.approx(2.0)
     assert (late.process, late.start_ms, late.end_ms, late.idle_ms) == (2, 3.0, 8.0, 0.0)
+    assert early.ready_ms is None  # not given
+    ready = timeline.summarize([first, [], second], ready_ns=[25 * ms, 0, 19 * ms])
+    assert [(s.process, s.ready_ms) for s in ready] == [(0, 15.0), (2, 9.0)]
+    with pytest.raises(ValueError, match="2 ready times for 3 processes"):
+        timeline.summarize([first, [], second], ready_ns=[25 * ms, 19 * ms])
     assert timeline.summarize([[], []]) == []
 
 

@@ -225,6 +225,7 @@ def format_timelines(mode: str, n: int, results: list[dict[str, object]], link: 
         "compute",
         "idle",
         "end",
+        "ready",
     ]
     lines = []
     for result in results:
@@ -240,14 +241,20 @@ def format_timelines(mode: str, n: int, results: list[dict[str, object]], link: 
                         *(f"{busy[kind]:.1f}" for kind in ("collective", "kernel", "compute")),
                         f"{process['idle_ms']:.1f}",
                         f"{process['end_ms']:.1f}",
+                        _ms_or_dash(process.get("ready_ms")),
                     ]
                 )
     title = (
         f"== timeline of one call, {mesh_title(mode, n, link)}: ms from the call's earliest "
         "start on any process; collective/kernel/compute: time its ops of that kind ran; idle: "
-        "between its first and last op, nothing of the call running =="
+        "between its first and last op, nothing of the call running; end: its last op ended; "
+        "ready: its result was ready (after the last asynchronous kernel) =="
     )
     return "\n".join([title, _render(header, lines)])
+
+
+def _ms_or_dash(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def mesh_title(mode: str, n: int, link: Link | None = None) -> str:

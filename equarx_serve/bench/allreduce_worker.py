@@ -228,12 +228,15 @@ def measure(
         rows[label].update(stats)
     if with_timeline:
         for label, (program, inputs) in programs.items():
+            ready_ns = []
 
-            def call(program=program, inputs=inputs) -> None:
+            def call(program=program, inputs=inputs, ready_ns=ready_ns) -> None:
                 barrier(token).block_until_ready()
                 program(inputs).block_until_ready()
+                ready_ns.append(time.time_ns())  # the profiler's clock: wall time
 
-            rows[label]["timeline"] = _timeline(timeline.trace_call(call, program.as_text()))
+            spans = timeline.trace_call(call, program.as_text())
+            rows[label]["timeline"] = _timeline(spans, ready_ns[0])
     return {
         "n": n,
         "num_processes": jax.process_count(),
@@ -244,15 +247,13 @@ def measure(
     }
 
 
-def _timeline(own: list[timeline.Span]) -> dict[str, object] | None:
-    """This process's spans of one call -> on process 0, the timeline row of every process
-    (collective: all processes call this): spans in ms from the call's earliest start, and
-    summaries."""
-    processes = [
-        [timeline.Span(**span) for span in spans]
-        for spans in _all_processes([dataclasses.asdict(s) for s in own])
-    ]
-    summaries = timeline.summarize(processes)
+def _timeline(own: list[timeline.Span], ready_ns: int) -> dict[str, object] | None:
+    """This process's spans of one call and when its result was ready -> on process 0, the
+    timeline row of every process (collective: all processes call this): spans in ms from the
+    call's earliest start, and summaries."""
+    gathered = _all_processes({"spans": [dataclasses.asdict(s) for s in own], "ready": ready_ns})
+    processes = [[timeline.Span(**span) for span in each["spans"]] for each in gathered]
+    summaries = timeline.summarize(processes, [each["ready"] for each in gathered])
     if jax.process_index() != 0 or not summaries:
         return None
     origin = timeline.earliest_start_ns(processes)

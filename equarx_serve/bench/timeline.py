@@ -14,10 +14,12 @@ of the call on any process.
 What it shows (`ProcessSummary`): when the process started the call (its first span), how long
 its collectives, kernels and other compute ran (the union of their spans: work on several
 threads at once counts once), the time between its first and last span when it ran nothing of
-the program (idle), and when it finished. What it does not show: a collective's span is the
-whole time its thread is blocked in it, waiting for a late peer included; an asynchronous
-kernel's span (two-shot's reduce and decode, `kernels/one_shot.cc`) is only its dispatch, the
-time others wait for it counts as idle, and the work of the last one runs after the last span.
+the program (idle), when its last span ended, and when its result was ready (the caller's
+clock when the call returned; given to `summarize`). What it does not show: a collective's span
+is the whole time its thread is blocked in it, waiting for a late peer included; an
+asynchronous kernel's span (two-shot's reduce and decode, `kernels/one_shot.cc`) is only its
+dispatch, the time others wait for it counts as idle, and the work of the last one runs after
+the last span: between the end and the result's being ready.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class ProcessSummary:
     end_ms: float
     busy_ms: dict[str, float]  # kind -> the union of its spans
     idle_ms: float  # from start_ms to end_ms, with no span of the program running
+    ready_ms: float | None = None  # when its result was ready (None: not given)
 
 
 def op_kinds(hlo_text: str) -> dict[str, str]:
@@ -158,12 +161,17 @@ def earliest_start_ns(processes: list[list[Span]]) -> int | None:
     return min((s.start_ns for spans in processes for s in spans), default=None)
 
 
-def summarize(processes: list[list[Span]]) -> list[ProcessSummary]:
-    """Every process's spans (in process order) -> its summary, in ms from
-    `earliest_start_ns`; processes without a span are left out."""
+def summarize(
+    processes: list[list[Span]], ready_ns: list[int] | None = None
+) -> list[ProcessSummary]:
+    """Every process's spans (in process order) and, if given, the wall-clock time its result
+    was ready -> its summary, in ms from `earliest_start_ns`; processes without a span are
+    left out."""
     origin = earliest_start_ns(processes)
     if origin is None:
         return []
+    if ready_ns is not None and len(ready_ns) != len(processes):
+        raise ValueError(f"{len(ready_ns)} ready times for {len(processes)} processes")
     traced = [(p, spans) for p, spans in enumerate(processes) if spans]
     summaries = []
     for process, spans in traced:
@@ -177,6 +185,7 @@ def summarize(processes: list[list[Span]]) -> list[ProcessSummary]:
                 end_ms=(end - origin) / 1e6,
                 busy_ms=busy,
                 idle_ms=(end - start - _union_ns(spans)) / 1e6,
+                ready_ms=None if ready_ns is None else (ready_ns[process] - origin) / 1e6,
             )
         )
     return summaries
