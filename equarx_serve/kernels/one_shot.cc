@@ -47,6 +47,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <string>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -539,6 +540,19 @@ ffi::Error DequantizeRotate(ffi::Buffer<ffi::U8> packed, ffi::ResultBuffer<ffi::
                             hadamard, start);
 }
 
+// out, holding into's values: XLA aliases the two (input_output_aliases), so usually nothing
+// to do; where it did not, a copy keeps the semantics. `kernel` names the caller in the error.
+ffi::Error StartFrom(ffi::Buffer<ffi::BF16> into, ffi::ResultBuffer<ffi::BF16> out,
+                     const char* kernel) {
+  if (into.element_count() != out->element_count()) {
+    return ffi::Error::InvalidArgument(std::string(kernel) + ": into and out differ in size");
+  }
+  if (into.untyped_data() != out->untyped_data()) {
+    std::memcpy(out->untyped_data(), into.untyped_data(), into.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 // DequantizeRotate into `into`, which XLA aliases to the result (input_output_aliases): the
 // other elements keep into's values, so a message's slices fill one buffer without copies.
 // Operands after `into` are only held (not read): buffers the caller keeps live until here.
@@ -546,11 +560,8 @@ ffi::Error DequantizeRotateInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::BF
                                 ffi::RemainingArgs /*held*/,
                                 ffi::ResultBuffer<ffi::BF16> out, int64_t block,
                                 int64_t scale_bytes, int64_t hadamard, int64_t start) {
-  if (into.element_count() != out->element_count()) {
-    return ffi::Error::InvalidArgument("dequantize_rotate: into and out differ in size");
-  }
-  if (into.untyped_data() != out->untyped_data()) {  // not aliased: keep the semantics
-    std::memcpy(out->untyped_data(), into.untyped_data(), into.size_bytes());
+  if (ffi::Error started = StartFrom(into, out, "dequantize_rotate"); started.failure()) {
+    return started;
   }
   return DequantizeRotateAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
                             static_cast<int64_t>(out->element_count()), block, scale_bytes,
@@ -651,11 +662,8 @@ ffi::Future DecodeRotateEachInto(ffi::Buffer<ffi::U8> packed, ffi::Buffer<ffi::B
                                  ffi::RemainingArgs /*held*/, ffi::ResultBuffer<ffi::BF16> out,
                                  int64_t block, int64_t group, int64_t scale_bytes,
                                  int64_t first) {
-  if (into.element_count() != out->element_count()) {
-    return Failed(ffi::Error::InvalidArgument("decode_rotate_each: into and out differ in size"));
-  }
-  if (into.untyped_data() != out->untyped_data()) {  // not aliased: keep the semantics
-    std::memcpy(out->untyped_data(), into.untyped_data(), into.size_bytes());
+  if (ffi::Error started = StartFrom(into, out, "decode_rotate_each"); started.failure()) {
+    return Failed(std::move(started));
   }
   return DecodeRotateEachAt(packed, reinterpret_cast<uint16_t*>(out->typed_data()),
                             static_cast<int64_t>(out->element_count()), block, group,
