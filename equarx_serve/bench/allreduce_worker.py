@@ -273,10 +273,14 @@ def _all_processes(value: object) -> list[object]:
     return [json.loads(bytes(gathered[p, : sizes[p]])) for p in range(len(sizes))]
 
 
+def _method_of(ar: object) -> object:
+    """The all-reduce that runs: a model's form (`RotatedInput`) runs its method's lanes."""
+    return ar.method if isinstance(ar, RotatedInput) else ar
+
+
 def _slices(ar: object, num_elements: int, n: int) -> int | None:
     """The pipeline slices a ring-engine method cuts this message into (None for others)."""
-    if isinstance(ar, RotatedInput):  # the model's form: its method's lanes
-        ar = ar.method
+    ar = _method_of(ar)
     if isinstance(ar, EquarxInt8):
         ar = ar.for_axis_size(n)
     if not isinstance(ar, RingAllReduce):
@@ -287,8 +291,7 @@ def _slices(ar: object, num_elements: int, n: int) -> int | None:
 def _gather_piece_bytes(ar: object, n: int) -> int | None:
     """The most payload bytes of a piece of two-shot's all-gather for an `equarx-int8` method
     that runs two-shot here (0: whole chunks), else None."""
-    if isinstance(ar, RotatedInput):
-        ar = ar.method
+    ar = _method_of(ar)
     if not isinstance(ar, EquarxInt8) or ar.schedule_for(n) != "two-shot":
         return None
     return ar.gather_piece_bytes()
