@@ -47,10 +47,11 @@ def _link(gbit_per_s: float) -> transport.LinkEstimate:
 
 def test_only_a_slow_measured_link_gets_pieces():
     ar = get_all_reduce("equarx-int8")
-    assert ar.gather_piece_bytes() == 0  # nothing measured: fake devices, one process
-    for rate, pieces in ((0.8, ring.GATHER_PIECE_BYTES), (5.3, 0)):
+    assert ar.gather_piece_bytes() == 0 and not ar.sends_in_pieces()  # fake devices: unmeasured
+    piece = ring.GATHER_PIECE_BYTES
+    for rate, pieces, sends in ((0.8, piece, True), (2.0, piece, False), (5.3, 0, False)):
         with transport.assume(_link(rate)):
-            assert ar.gather_piece_bytes() == pieces
+            assert ar.gather_piece_bytes() == pieces and ar.sends_in_pieces() == sends
 
 
 def _run(ar, x: jax.Array, n: int) -> tuple[np.ndarray, str]:
@@ -60,7 +61,8 @@ def _run(ar, x: jax.Array, n: int) -> tuple[np.ndarray, str]:
 
 
 @pytest.mark.parametrize("options", [{}, {"num_slices": 2}, {"bidirectional": True}])
-def test_all_reduce_bits_do_not_depend_on_the_gather_pieces(monkeypatch, options):
+@pytest.mark.parametrize("gbit_per_s", [0.8, 2.0])  # sends in pieces too, or whole
+def test_all_reduce_bits_do_not_depend_on_the_gather_pieces(monkeypatch, options, gbit_per_s):
     if not (one_shot.quantizes_chunks(32, 64) and one_shot.decodes_each(32, 64)):
         pytest.skip("the two-shot kernels do not run on this CPU")
     ar = get_all_reduce("equarx-int8", min_size_bytes=0, **options)
@@ -69,12 +71,20 @@ def test_all_reduce_bits_do_not_depend_on_the_gather_pieces(monkeypatch, options
     x = jax.device_put(x, NamedSharding(mesh_of(n), P(AXIS)))
     monkeypatch.setattr(ring, "GATHER_PIECE_BYTES", 2000)  # 17 KiB chunk payloads: 9 pieces
     whole, whole_hlo = _run(ar, x, n)  # no link measured: one piece
-    with transport.assume(_link(0.8)):
+    with transport.assume(_link(gbit_per_s)):
         pieces, pieces_hlo = _run(ar, x, n)
+        sends_in_pieces = ar.sends_in_pieces()
     np.testing.assert_array_equal(pieces, whole)
-    assert pieces_hlo.count(" all-gather(") > whole_hlo.count(" all-gather(")
-    # the first chunk as its first piece and the rest: one more permute
-    assert pieces_hlo.count(" collective-permute(") == whole_hlo.count(" collective-permute(") + 1
+    gathers, permutes = (
+        [hlo.count(f" {op}(") for hlo in (whole_hlo, pieces_hlo)]
+        for op in ("all-gather", "collective-permute")
+    )
+    pieces_a_lane = gathers[1] // gathers[0]
+    assert pieces_a_lane > 1 and gathers[1] == pieces_a_lane * gathers[0]
+    if sends_in_pieces:  # every chunk sent in the pieces that are all-gathered
+        assert permutes[1] == pieces_a_lane * permutes[0]
+    else:  # whole chunks, but the call's first one as its first piece and the rest
+        assert permutes[1] == permutes[0] + 1
     into = f'custom_call_target="{one_shot.DECODE_EACH_INTO.target}"'
     assert into in pieces_hlo and into not in whole_hlo
 
@@ -84,5 +94,8 @@ def test_the_bench_reports_the_pieces_two_shot_runs_in():
     assert allreduce_worker._gather_piece_bytes(ar, 2) is None  # one-shot: no all-gather pieces
     assert allreduce_worker._gather_piece_bytes(get_all_reduce("ring"), 4) is None
     assert allreduce_worker._gather_piece_bytes(ar.with_rotated_input(), 4) == 0
+    assert allreduce_worker._sends_in_pieces(ar, 2) is None
+    assert allreduce_worker._sends_in_pieces(ar.with_rotated_input(), 4) is False
     with transport.assume(_link(0.8)):
         assert allreduce_worker._gather_piece_bytes(ar, 4) == ring.GATHER_PIECE_BYTES
+        assert allreduce_worker._sends_in_pieces(ar, 4) is True

@@ -439,8 +439,11 @@ def _measure_mesh(
         pieces = sorted(
             {row["gather_piece_bytes"] for r in mesh_results for row in r["rows"]} - {None, 0}
         )
-        in_pieces = "; two-shot's all-gather in pieces of at most " + ", ".join(
-            format_size(p) for p in pieces
+        sends = any(row.get("send_pieces") for r in mesh_results for row in r["rows"])
+        in_pieces = (
+            "; two-shot's all-gather in pieces of at most "
+            + ", ".join(format_size(p) for p in pieces)
+            + (", its sends too" if sends else "")
         )
         bar.write(
             f"transport probe (what slice_bytes='auto' and two-shot's pieces go by): "

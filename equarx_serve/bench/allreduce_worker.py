@@ -218,6 +218,7 @@ def measure(
             "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
             "slices": _slices(ar, num_elements, n),
             "gather_piece_bytes": _gather_piece_bytes(ar, n),
+            "send_pieces": _sends_in_pieces(ar, n),
             **_errors(program(inputs), expected),
         }
 
@@ -288,13 +289,22 @@ def _slices(ar: object, num_elements: int, n: int) -> int | None:
     return ar.slices_for(num_elements, jnp.bfloat16, n)
 
 
+def _two_shot(ar: object, n: int) -> EquarxInt8 | None:
+    """The `equarx-int8` method of `ar` where it runs two-shot over `n` devices, else None."""
+    ar = _method_of(ar)
+    return ar if isinstance(ar, EquarxInt8) and ar.schedule_for(n) == "two-shot" else None
+
+
 def _gather_piece_bytes(ar: object, n: int) -> int | None:
     """The most payload bytes of a piece of two-shot's all-gather for an `equarx-int8` method
     that runs two-shot here (0: whole chunks), else None."""
-    ar = _method_of(ar)
-    if not isinstance(ar, EquarxInt8) or ar.schedule_for(n) != "two-shot":
-        return None
-    return ar.gather_piece_bytes()
+    return None if (two_shot := _two_shot(ar, n)) is None else two_shot.gather_piece_bytes()
+
+
+def _sends_in_pieces(ar: object, n: int) -> bool | None:
+    """Whether two-shot's encode and reduce-scatter go in those pieces too, for an
+    `equarx-int8` method that runs two-shot here, else None."""
+    return None if (two_shot := _two_shot(ar, n)) is None else two_shot.sends_in_pieces()
 
 
 def command(

@@ -212,6 +212,13 @@ class EquarxInt8(RingAllReduce):
     # (probe 5.8-6.1) 77.6 / 334.7 against 56.9 / 216.9 ms: where the link is fast, each extra
     # collective's fixed cost is more than the decode it hides.
     AUTO_PIECES_BELOW_BITS_PER_S: ClassVar[float] = 3e9
+    # And its encode and reduce-scatter in the same pieces only where the link is slower than
+    # this. Measured at N = 4 (README, stage 15), 16 / 64 MiB, sent in pieces against whole,
+    # alternated: 1 Gbit/s (probe 0.8-1.0 Gbit/s), four runs each, 125.5-138.1 / 497-508 ms
+    # against 127.1-135.0 / 542-554 ms; but 2.5 Gbit/s (probe 1.9-2.4), two runs each,
+    # 77.1-91.9 / 342-349 ms against 71.4-72.0 / 317 ms: there the fixed cost of ~50 more
+    # collectives outweighs the encodes it hides.
+    AUTO_SEND_PIECES_BELOW_BITS_PER_S: ClassVar[float] = 1.3e9
 
     # The codec, where not given (None): chosen by the schedule the axis size runs
     # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with bfloat16 scales for one-shot (N = 2,
@@ -560,6 +567,7 @@ class EquarxInt8(RingAllReduce):
             row_bytes=self.payload_bytes(self.block_size, dtype),
             group_rows=self._quantized_group // self.block_size,
             piece_bytes=self.gather_piece_bytes(),
+            send_pieces=self.sends_in_pieces(),
         )
 
     def gather_piece_bytes(self) -> int:
@@ -567,9 +575,16 @@ class EquarxInt8(RingAllReduce):
         `ring.GATHER_PIECE_BYTES` where `transport.measure` found a link slower than
         AUTO_PIECES_BELOW_BITS_PER_S, else 0 (whole chunks: loopback, fast links, fake
         devices)."""
-        measured = transport.link()
-        slow = measured is not None and measured.bits_per_s < self.AUTO_PIECES_BELOW_BITS_PER_S
+        slow = transport.slower_than(self.AUTO_PIECES_BELOW_BITS_PER_S)
         return ring.GATHER_PIECE_BYTES if slow else 0
+
+    def sends_in_pieces(self) -> bool:
+        """Whether two-shot's encode and reduce-scatter go in the pieces of
+        `gather_piece_bytes` too: where `transport.measure` found a link slower than
+        AUTO_SEND_PIECES_BELOW_BITS_PER_S."""
+        return self.gather_piece_bytes() > 0 and transport.slower_than(
+            self.AUTO_SEND_PIECES_BELOW_BITS_PER_S
+        )
 
     def _one_shot_kernels(
         self, dtype: jnp.dtype, axis_size: int, *, rotate_input: bool

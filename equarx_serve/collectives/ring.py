@@ -81,8 +81,9 @@ MAX_SLICES = 256  # slice_bytes never cuts a message into more lanes (program si
 # 161-162 / 689-714 ms).
 SWAP_PIECE_BYTES = 512 * 1024
 # Where the link is slow (`EquarxInt8.gather_piece_bytes`), two-shot's reduce, all-gather and
-# decode go in pieces of a lane's rows of at most this many payload bytes each
-# (`_native_two_shot_all_reduce`), so that a piece's decode runs while the next piece is on the
+# decode go in pieces of a lane's rows of at most this many payload bytes each (and where it is
+# slower still, `EquarxInt8.sends_in_pieces`, its encode and reduce-scatter too:
+# `_native_two_shot_all_reduce`), so that a piece's decode runs while the next piece is on the
 # wire. 4 emulated hosts, 1 Gbit/s, `equarx-int8`, two runs each (README, stage 14): pieces of
 # 256 KiB / 512 KiB / 1 MiB / 2 MiB 131-134 / 138-139 / 131-139 / 134-138 ms at 16 MiB and
 # 542-559 / 534-535 / 548 / 547-550 ms at 64 MiB, within this machine's spread of one another;
@@ -236,13 +237,15 @@ class NativeTwoShot:
     nothing received, to their payload (what `encode` gives for them:
     `_native_two_shot_all_reduce` encodes each chunk it sends so). A payload has `row_bytes`
     bytes a row; a lane's reduce, all-gather and decode go in pieces of whole groups of
-    `group_rows` rows and at most `piece_bytes` of payload (0: whole chunks)."""
+    `group_rows` rows and at most `piece_bytes` of payload (0: whole chunks); with
+    `send_pieces`, every chunk a device sends travels in those pieces too."""
 
     encode: Callable[[jax.Array, int, int], jax.Array]
     reduce: Callable[[jax.Array, jax.Array, int, list[jax.Array], list[int]], jax.Array]
     row_bytes: int
     group_rows: int = 1
     piece_bytes: int = 0
+    send_pieces: bool = False
 
 
 def pipelined_all_reduce(
@@ -389,9 +392,11 @@ def _native_two_shot_all_reduce(
     beside XLA's thread (`one_shot.cc`, `Later`). A lane's reduce, all-gather and decode may go
     in pieces of its rows (`_gather_pieces`): piece j's all-gather waits only for piece j's reduce,
     and piece j's decode runs while piece j + 1 is on the wire, so that only the first piece's
-    reduce and the last piece's decode sit outside the transfers; likewise the first chunk sent
-    goes as its first piece, then the rest, so that the first transfer waits only for that
-    piece's encode. As in `packed_one_shot_all_reduce`, XLA:CPU runs collectives one at a time
+    reduce and the last piece's decode sit outside the transfers. Likewise the call's first
+    chunk goes as its first piece and then the rest, so that the first transfer waits only for
+    that piece's encode; or, with `native.send_pieces`, every chunk a device sends goes in the
+    pieces, each encoded on its own, so that the later encodes run while earlier pieces are on
+    the wire. As in `packed_one_shot_all_reduce`, XLA:CPU runs collectives one at a time
     in schedule order and a buffer's reuse is an edge of its DAG: each collective is put behind
     the previous one (an optimization barrier), and every received and all-gathered buffer is
     held until the last decode, else a lane's collective waited for the previous lane's
@@ -404,7 +409,7 @@ def _native_two_shot_all_reduce(
     last: list[jax.Array] = []  # the latest collective's result
     encoded: list[jax.Array] = []  # every payload encoded so far, in order
 
-    def encode(start: jax.Array, count: int = rows) -> jax.Array:
+    def encode(start: jax.Array, count: int) -> jax.Array:
         """The payload of `count` rows from element `start` (the reduce kernel, nothing
         received). The first two encodes start together, every later one after the one before
         it: an encode whose input was ready at once would wait behind the collective that the
@@ -413,6 +418,17 @@ def _native_two_shot_all_reduce(
         source = _behind(lanes, encoded[-1] if len(encoded) >= 2 else None)
         encoded.append(native.reduce(source, start, count, [], []))
         return encoded[-1]
+
+    def sent_in(target: jax.Array) -> list[tuple[int, jax.Array]]:
+        """The (first row, payload) segments the chunk from element `target` is sent in: the
+        pieces, where `native.send_pieces`; else whole, but for the call's first chunk (nothing
+        encoded yet), which goes as its first piece and the rest."""
+        spans = [(0, rows)]
+        if native.send_pieces:
+            spans = pieces
+        elif not encoded and len(pieces) > 1:
+            spans = [(0, pieces[1][0]), (pieces[1][0], rows - pieces[1][0])]
+        return [(first, encode(target + first * block, count)) for first, count in spans]
 
     def send(segments: list[tuple[int, jax.Array]], shift: int) -> list[tuple[int, jax.Array]]:
         """Each (first row, payload) segment of a chunk to the device `shift` after this one,
@@ -457,13 +473,7 @@ def _native_two_shot_all_reduce(
         for s in range(num_slices):
             start = (d * num_slices + s) * lane_size
             targets = [start + (index + dr * shift) % n * (lane_size // n) for shift in range(1, n)]
-            if pending is None and len(pieces) > 1:  # the call's first chunk: its first piece
-                head = pieces[1][0]
-                outgoing = [[(0, encode(targets[0], head)),
-                             (head, encode(targets[0] + head * block, rows - head))]]  # fmt: skip
-            else:
-                outgoing = [[(0, encode(targets[0]))]]
-            outgoing += [[(0, encode(target))] for target in targets[1:]]
+            outgoing = [sent_in(target) for target in targets]
             received = []
             with jax.named_scope("two_shot_reduce_scatter"):
                 for shift, segments in enumerate(outgoing, start=1):
@@ -672,8 +682,7 @@ class RingAllReduce(AllReduce):
         Gbit/s, 1.6-7x slower. README, the comm-bound regime."""
         if self.slice_bytes != "auto":
             return self.slice_bytes
-        measured = transport.link()
-        slow = measured is not None and measured.bits_per_s < self.AUTO_SLICE_BELOW_BITS_PER_S
+        slow = transport.slower_than(self.AUTO_SLICE_BELOW_BITS_PER_S)
         return self.AUTO_SLICE_BYTES if axis_size == 2 and slow else 0
 
     def slices_for(self, size: int, dtype: jnp.dtype, axis_size: int) -> int:

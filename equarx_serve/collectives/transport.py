@@ -53,6 +53,12 @@ def link() -> LinkEstimate | None:
     return _measured
 
 
+def slower_than(bits_per_s: float) -> bool:
+    """Whether a link was measured and found slower than `bits_per_s` (the size gates that
+    depend on the regime: slices, two-shot's pieces)."""
+    return _measured is not None and _measured.bits_per_s < bits_per_s
+
+
 @contextlib.contextmanager
 def assume(estimate: LinkEstimate | None) -> Iterator[None]:
     """Trace as if `measure` had found `estimate` (tests; a user who knows the link)."""
