@@ -1,7 +1,8 @@
 """Where the measured link is slow, two-shot's reduce, all-gather and decode go in pieces of a
 lane's rows (at most `GATHER_PIECE_BYTES` of payload each), and the call's first chunk travels
-as its first piece and the rest: more collectives and kernel calls, the same all-reduce bits as
-in one piece, which is what a fast link or no measured link gets."""
+as its first piece and the rest; where it is slower still, every chunk sent travels in the
+pieces: more collectives and kernel calls, the same all-reduce bits as in one piece, which is
+what a fast link or no measured link gets."""
 
 from __future__ import annotations
 
