@@ -253,6 +253,12 @@ def format_timelines(mode: str, n: int, results: list[dict[str, object]], link: 
     return "\n".join([title, _render(header, lines)])
 
 
+def _span(values: list[float]) -> str:
+    """`values` as "low-high" to two decimals, or one number where they print alike."""
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}-{high}"
+
+
 def _ms_or_dash(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -398,8 +404,12 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
     ]
     measured = {(r["mode"], r["n"]): r["link"] for r in results if r.get("link") is not None}
     link_measurements = [{"mode": mode, "n": n} | m for (mode, n), m in measured.items()]
-    probes = {(r["mode"], r["n"]): r.get("transport_probe") for r in results}
-    transport_probes = [{"mode": mode, "n": n} | p for (mode, n), p in probes.items() if p]
+    # one a worker: each size's processes measure the link when they start
+    transport_probes = [
+        {"mode": r["mode"], "n": r["n"], "size_bytes": r["size_bytes"]} | r["transport_probe"]
+        for r in results
+        if r.get("transport_probe")
+    ]
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "settings": settings,
@@ -429,7 +439,9 @@ def _measure_mesh(
     bar.write(format_table(mode, n, mesh_results, link))
     if config.timeline:
         bar.write(format_timelines(mode, n, mesh_results, link))
-    if (probe := mesh_results[0].get("transport_probe")) is not None:
+    rates = [r["transport_probe"]["bits_per_s"] / 1e9 for r in mesh_results
+             if r.get("transport_probe")]  # fmt: skip
+    if rates:
         sliced = ", ".join(
             f"{format_size(r['size_bytes'])} {row['label']} {row['slices']}"
             for r in mesh_results
@@ -447,7 +459,7 @@ def _measure_mesh(
         )
         bar.write(
             f"transport probe (what slice_bytes='auto' and two-shot's pieces go by): "
-            f"{probe['bits_per_s'] / 1e9:.2f} Gbit/s sent per device; "
+            f"{_span(rates)} Gbit/s sent per device (each size's processes measured it); "
             f"{'slices: ' + sliced if sliced else 'no row sliced'}{in_pieces if pieces else ''}"
         )
     return mesh_results
