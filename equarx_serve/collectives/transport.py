@@ -11,10 +11,16 @@ has measured a slow link, and nowhere else.
 (`multiprocess.initialize` does, right after joining). It times an all-gather over every
 global device of PROBE_BYTES per device and one of a few bytes, and takes the rate at which a
 device sent the difference: the link's rate without the fixed cost of a collective (which
-on loopback is most of a small transfer's time). Every process records the same number, the
-slowest process's, so that all of them trace the same programs (processes whose programs
-differ would wait on each other's collectives forever). Cost: two compiles and
-2 (PROBE_ROUNDS + 1) runs, ~0.3 s of transfers on a 1 Gbit/s link.
+on loopback is most of a small transfer's time). Each time is the best of PROBE_ROUNDS rounds
+after WARMUP_ROUNDS untimed ones: what slows a round is other work on the host, not the link
+(on loopback, 2 processes, the median of 5 rounds read anywhere from 1.4 to 11,600 Gbit/s from
+one run to the next: a probe round now and then 3-9x its usual 3 ms while the processes were
+starting, and the few-byte all-gather taking either 0.2 or 4 ms), and a link carries a
+message no faster than its rate, so the best round is the closest to it. Every process
+records the same number, the slowest process's, so that all of them trace the same programs
+(processes whose programs differ would wait on each other's collectives forever). Cost: two
+compiles and 2 (WARMUP_ROUNDS + PROBE_ROUNDS + 1) runs, ~0.5 s of transfers on a 1 Gbit/s
+link.
 
 Not measured (one process, fake CPU devices, or before `measure`): no link, no slicing. A
 program that joins its processes itself (`jax.distributed.initialize`) calls `measure()` after
@@ -25,19 +31,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
 import time
 from collections.abc import Iterator
 
 PROBE_BYTES = 4 * 1024 * 1024
 PROBE_ROUNDS = 5
+WARMUP_ROUNDS = 2
 _EMPTY_BYTES = 8  # the all-gather that times a collective's fixed cost
 
 
 @dataclasses.dataclass(frozen=True)
 class LinkEstimate:
     """What `measure` found: the rate at which the slowest device sent, in bits/s, from the
-    median times of an all-gather of PROBE_BYTES per device and of one of a few bytes."""
+    best times of an all-gather of PROBE_BYTES per device and of one of a few bytes."""
 
     bits_per_s: float
     devices: int
@@ -91,7 +97,8 @@ def measure() -> LinkEstimate | None:
 
 
 def _time_all_gather(devices: list, size: int) -> float:
-    """Median seconds of one all-gather of `size` bytes per device over `devices`."""
+    """Best seconds of one all-gather of `size` bytes per device over `devices` (see the
+    module doc)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -106,10 +113,11 @@ def _time_all_gather(devices: list, size: int) -> float:
     shape = (size * len(devices),)
     sharding = NamedSharding(mesh, P("probe"))
     data = jax.make_array_from_callback(shape, sharding, lambda i: np.zeros(shape, np.uint8)[i])
-    probe(data).block_until_ready()  # compile, connect
+    for _ in range(1 + WARMUP_ROUNDS):  # compile, connect, warm up
+        probe(data).block_until_ready()
     times = []
     for _ in range(PROBE_ROUNDS):
         start = time.perf_counter()
         probe(data).block_until_ready()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
