@@ -12,15 +12,16 @@ has measured a slow link, and nowhere else.
 global device of PROBE_BYTES per device and one of a few bytes, and takes the rate at which a
 device sent the difference: the link's rate without the fixed cost of a collective (which
 on loopback is most of a small transfer's time). Each time is the best of PROBE_ROUNDS rounds
-after WARMUP_ROUNDS untimed ones: what slows a round is other work on the host, not the link
-(on loopback, 2 processes, the median of 5 rounds read anywhere from 1.4 to 11,600 Gbit/s from
-one run to the next: a probe round now and then 3-9x its usual 3 ms while the processes were
-starting, and the few-byte all-gather taking either 0.2 or 4 ms), and a link carries a
+after WARMUP_ROUNDS untimed ones. On loopback (2 processes) the first rounds of a fresh run are
+slow: in 12 runs of 20 timed rounds after 3 untimed ones, 4 MiB took 16-33 ms in the first 2-5
+timed rounds of 5 of them and 2-7 ms afterwards, and the few-byte all-gather either 0.2 or
+4 ms; so the median of 5 rounds after 1 read anywhere from 1.4 to 11,600 Gbit/s from one run
+to the next, and even their best could read 1.6 Gbit/s. Past the warm-up, a link carries a
 message no faster than its rate, so the best round is the closest to it. Every process
 records the same number, the slowest process's, so that all of them trace the same programs
 (processes whose programs differ would wait on each other's collectives forever). Cost: two
-compiles and 2 (WARMUP_ROUNDS + PROBE_ROUNDS + 1) runs, ~0.5 s of transfers on a 1 Gbit/s
-link.
+compiles and 2 (WARMUP_ROUNDS + PROBE_ROUNDS + 1) runs, ~1.7 s of transfers on 1 Gbit/s links
+between 4 hosts, ~0.1 s on loopback.
 
 Not measured (one process, fake CPU devices, or before `measure`): no link, no slicing. A
 program that joins its processes itself (`jax.distributed.initialize`) calls `measure()` after
@@ -35,8 +36,8 @@ import time
 from collections.abc import Iterator
 
 PROBE_BYTES = 4 * 1024 * 1024
-PROBE_ROUNDS = 5
-WARMUP_ROUNDS = 2
+PROBE_ROUNDS = 10
+WARMUP_ROUNDS = 5
 _EMPTY_BYTES = 8  # the all-gather that times a collective's fixed cost
 
 
