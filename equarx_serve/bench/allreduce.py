@@ -241,7 +241,7 @@ def format_timelines(mode: str, n: int, results: list[dict[str, object]], link: 
                         *(f"{busy[kind]:.1f}" for kind in ("collective", "kernel", "compute")),
                         f"{process['idle_ms']:.1f}",
                         f"{process['end_ms']:.1f}",
-                        _ms_or_dash(process.get("ready_ms")),
+                        or_dash(process.get("ready_ms"), ".1f"),
                     ]
                 )
     title = (
@@ -259,10 +259,6 @@ def _span(values: list[float]) -> str:
     return low if low == high else f"{low}-{high}"
 
 
-def _ms_or_dash(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}"
-
-
 def mesh_title(mode: str, n: int, link: Link | None = None) -> str:
     if mode == "devices":
         return f"{n} devices (1 process)"
@@ -277,17 +273,22 @@ def _table_row(size: int, row: dict[str, object]) -> list[str]:
         format_size(size),
         row["label"] + ("*" if row["label"] == row["baseline"] else ""),
         f"{row['median_ms']:.3f}",
-        "-" if row["speedup"] is None else f"{row['speedup']:.2f}x",
+        or_dash(row["speedup"], ".2f", "x"),
         f"{row['wire_bytes_hlo_total'] / 2**20:.3f}",
-        "-" if row["bytes_ratio"] is None else f"{row['bytes_ratio']:.3f}",
+        or_dash(row["bytes_ratio"], ".3f"),
         percent(row["byte_bound_efficiency"]),
-        "-" if row["link_ms"] is None else f"{row['link_ms']:.3f}",
+        or_dash(row["link_ms"], ".3f"),
         percent(row["link_efficiency"]),
         wire_match,
         f"{row['rel_rms']:.2e}",
         f"{row['max_abs']:.3g}",
         "yes" if row["identical"] else "NO",
     ]
+
+
+def or_dash(value: float | None, spec: str, suffix: str = "") -> str:
+    """`value` in the format `spec`, then `suffix`; "-" where there is none."""
+    return "-" if value is None else format(value, spec) + suffix
 
 
 def percent(value: float | None) -> str:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equarx_serve.bench import links
-from equarx_serve.bench.allreduce import percent, resolve_methods
+from equarx_serve.bench.allreduce import or_dash, percent, resolve_methods
 from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
@@ -265,7 +265,7 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
                 f"{100 * row['ar_share']:.1f}%", f"{row['ar_ms']:.1f}",
                 f"{row['wire_bytes_hlo_total'] / 2**20:.2f}",
                 percent(row["byte_bound_efficiency"]),
-                "-" if row["link_ms"] is None else f"{row['link_ms']:.1f}",
+                or_dash(row["link_ms"], ".1f"),
                 percent(row["link_efficiency"]), str(row["num_reductions"]), hlo,
                 f"{row['logits_rel_rms_vs_first']:.2e}", f"{row['top1_agree_vs_first']:.2f}",
             ])  # fmt: skip
