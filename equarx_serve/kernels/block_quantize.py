@@ -5,7 +5,7 @@ one scale (symmetric absmax), float32 or bfloat16 (`scale_dtype`):
 
     scale = max(absmax(row) / 127, FLOAT32_TINY)      # the floor keeps zero rows finite
     scale = round_up_to_bfloat16(scale)                # bfloat16 scales only: never below
-    q     = clip(round(row / scale), -127, 127)        # round half to even
+    q     = clip(round_half_to_even(row * (1 / scale)), -127, 127)
     row  ~= q * scale
 
 A bfloat16 scale halves the scale bytes (2 per block instead of 4); it is rounded up, never to
@@ -28,6 +28,13 @@ Cost per row of B elements, K received payloads, input itemsize s, scale itemsiz
 Block shapes: a grid over row tiles of `block_rows` rows (a power of two in [32, 512], or all
 rows when there are at most 32), each `[block_rows, block_size]`, with scales `[block_rows, 1]`.
 32 rows is the int8 sublane tile on TPU; powers of two keep the Triton (GPU) lowering legal.
+
+Lowering: Mosaic on TPU, Triton on NVIDIA GPUs (Pallas' default GPU lowering; it runs on every
+GPU generation JAX supports, where Mosaic GPU needs Hopper or newer), interpreted on CPU, chosen
+per lowering platform (`lax.platform_dependent`), so one traced program lowers for each. The
+kernel body and the reference share every line of the math, and that math uses only operations
+each lowering has and computes exactly (no platform's own `round`: Triton has none), so all
+paths give the same bits. `tests/aot_lowering_test.py` lowers it for TPU v5e and H100 here.
 """
 
 from __future__ import annotations
@@ -88,6 +95,20 @@ def round_up_to_bfloat16(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def round_half_to_even(x: jax.Array) -> jax.Array:
+    """f32 -> the nearest integer, ties to the even one (IEEE roundTiesToEven), as f32.
+
+    Written with `floor` and exact comparisons rather than `jnp.round`, which Pallas' Triton
+    lowering does not implement; every step is exact in f32, so it equals `jnp.round` bit for
+    bit on every platform (tests). Non-finite inputs give non-finite results."""
+    down = jnp.floor(x)
+    fraction = x - down  # exact: x and floor(x) share their exponent range
+    odd = down - 2.0 * jnp.floor(down * 0.5) == 1.0
+    up = (fraction > 0.5) | ((fraction == 0.5) & odd)
+    rounded = jnp.where(up, down + 1.0, down)
+    return jnp.where(rounded == 0.0, x * 0.0, rounded)  # -0.5 rounds to -0.0, as round does
+
+
 def _quantize_with_absmax(
     acc: jax.Array, absmax: jax.Array, scale_dtype: jnp.dtype
 ) -> tuple[jax.Array, jax.Array]:
@@ -97,7 +118,7 @@ def _quantize_with_absmax(
     scale = jnp.maximum(absmax * (1.0 / INT8_MAX), FLOAT32_TINY)
     if jnp.dtype(scale_dtype) == jnp.bfloat16:
         scale = round_up_to_bfloat16(scale)
-    q = jnp.clip(jnp.round(acc * (1.0 / scale)), -INT8_MAX, INT8_MAX)
+    q = jnp.clip(round_half_to_even(acc * (1.0 / scale)), -INT8_MAX, INT8_MAX)
     q = jnp.where(jnp.isfinite(acc), q, NONFINITE_CODE).astype(jnp.int8)
     return q, scale.astype(scale_dtype)
 
