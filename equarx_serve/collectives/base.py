@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx_serve.collectives.registry import register_all_reduce
+from equarx_serve.kernels.native import target_platform
 
 if TYPE_CHECKING:
     from equarx_serve.collectives.hadamard import HadamardRotation
@@ -117,7 +118,7 @@ def ring_all_reduce_bytes(operand_bytes: int, axis_size: int) -> int:
 
 def psum_wire_itemsize(dtype: jnp.dtype) -> int:
     itemsize = jnp.dtype(dtype).itemsize
-    if jax.default_backend() == "cpu" and itemsize < 4:
+    if target_platform() == "cpu" and itemsize < 4:
         return 4
     return itemsize
 

@@ -81,6 +81,7 @@ where `psum` is; an Inf comes out as NaN because the int8 payload carries no sig
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar, Literal
 
@@ -98,6 +99,7 @@ from equarx_serve.collectives.hadamard import (
 from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import NativeTwoShot, PackedOneShot, RingAllReduce, take_chunk
 from equarx_serve.kernels import block_quantize, one_shot
+from equarx_serve.kernels.native import target_platform
 
 # The gate falls back to psum, so it sits where the quantized path starts to beat psum.
 # `equarx-serve bench allreduce --processes 2` (gloo, 2 CPU cores), ungated equarx-int8 vs
@@ -130,10 +132,18 @@ DEFAULT_ROTATION_BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class BlockInt8Codec:
-    """int8 values + one scale (f32 or bf16) per row of B elements; accumulation in f32."""
+    """int8 values + one scale (f32 or bf16) per row of B elements; accumulation in f32.
 
-    use_pallas: bool
-    interpret: bool
+    `kernel`: "auto" picks the quantizer by the platform the program is lowered for
+    (`lax.platform_dependent`), so one traced program lowers for CPU, TPU and GPU alike: the
+    Pallas kernel compiled (Mosaic on TPU, Triton on GPU), XLA's ops on CPU
+    (`block_quantize.*_xla`). "pallas": the kernel everywhere, interpreted where the program is
+    traced for CPU devices (`target_platform`, the mesh's platform: Pallas' TPU interpreter,
+    the one that runs inside `shard_map`, has effects that `platform_dependent` cannot stage
+    beside the compiled kernel). "jnp": XLA's ops everywhere. All give the same bits.
+    """
+
+    kernel: Literal["auto", "pallas", "jnp"]
     scale_dtype: str
 
     def _to_wire(self, payload: tuple) -> tuple:
@@ -147,28 +157,40 @@ class BlockInt8Codec:
             return q, scale
         return q, lax.bitcast_convert_type(scale, jnp.dtype(self.scale_dtype))
 
-    def _accumulate_quantize(self, local: jax.Array, received: tuple) -> tuple:
+    def _per_platform(self, xla, pallas, *operands) -> tuple:
+        """`xla(*operands)` where XLA's ops run (above), else `pallas(*operands, interpret=)`."""
+        if self.kernel == "jnp":
+            return xla(*operands)
+        if self.kernel == "pallas":
+            return pallas(*operands, interpret=target_platform() == "cpu")
+        compiled = lambda *args: pallas(*args, interpret=False)
+        return lax.platform_dependent(*operands, cpu=xla, default=compiled)
+
+    def _rows(self, quantize, local: jax.Array, received: tuple) -> tuple:
+        """`quantize` on local [..., R, B] and received payloads flattened to rows [*, B]; the
+        result in local's shape."""
         lead, (rows, block) = local.shape[:-2], local.shape[-2:]
-        flat_local = local.reshape(-1, block)
-        flat_received = tuple(
-            (q.reshape(-1, block), s.reshape(-1, 1))
-            for q, s in (self._from_wire(payload) for payload in received)
-        )
-        if self.use_pallas:
-            q, s = block_quantize.accumulate_quantize(
-                flat_local, flat_received, interpret=self.interpret, scale_dtype=self.scale_dtype
-            )
-        else:
-            q, s = block_quantize.accumulate_quantize_xla(
-                flat_local, flat_received, scale_dtype=self.scale_dtype
-            )
-        return self._to_wire((q.reshape(*lead, rows, block), s.reshape(*lead, rows, 1)))
+        flat_received = tuple((q.reshape(-1, block), s.reshape(-1, 1)) for q, s in received)
+        q, s = quantize(local.reshape(-1, block), flat_received, scale_dtype=self.scale_dtype)
+        return q.reshape(*lead, rows, block), s.reshape(*lead, rows, 1)
+
+    def _pallas(self, local: jax.Array, received: tuple, *, interpret: bool) -> tuple:
+        kernel = functools.partial(block_quantize.accumulate_quantize, interpret=interpret)
+        return self._rows(kernel, local, received)
+
+    def _accumulate_quantize(self, local: jax.Array, received: tuple) -> tuple:
+        received = tuple(self._from_wire(payload) for payload in received)
+        xla = functools.partial(self._rows, block_quantize.accumulate_quantize_xla)
+        return self._to_wire(self._per_platform(xla, self._pallas, local, received))
 
     def encode_chunk(self, lane: jax.Array, index: jax.Array) -> tuple:
-        if self.use_pallas:
-            return self._accumulate_quantize(take_chunk(lane, index), ())
-        payload = block_quantize.quantize_chunk_xla(lane, index, scale_dtype=self.scale_dtype)
-        return self._to_wire(payload)
+        xla = lambda lane, index: block_quantize.quantize_chunk_xla(
+            lane, index, scale_dtype=self.scale_dtype
+        )
+        pallas = lambda lane, index, *, interpret: self._pallas(
+            take_chunk(lane, index), (), interpret=interpret
+        )
+        return self._to_wire(self._per_platform(xla, pallas, lane, index))
 
     def accumulate_encode(self, local: jax.Array, received: tuple) -> tuple:
         return self._accumulate_quantize(local, received)
@@ -338,9 +360,7 @@ class EquarxInt8(RingAllReduce):
         return rows
 
     def codec(self, dtype: jnp.dtype) -> BlockInt8Codec:
-        backend = jax.default_backend()
-        use_pallas = self.kernel == "pallas" or (self.kernel == "auto" and backend != "cpu")
-        return BlockInt8Codec(use_pallas, interpret=backend == "cpu", scale_dtype=self.scale_dtype)
+        return BlockInt8Codec(self.kernel, scale_dtype=self.scale_dtype)
 
     def payload_bytes(self, num_elements: int, dtype: jnp.dtype) -> int:
         scale_bytes = jnp.dtype(self.scale_dtype).itemsize

@@ -37,6 +37,19 @@ FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w")
 DISABLE_ENV = "EQUARX_SERVE_NATIVE_KERNELS"
 
 
+def target_platform() -> str:
+    """The platform of the devices the program now being traced is for: the mesh's inside
+    `shard_map` (or under `jax.sharding.use_abstract_mesh`), else JAX's default backend.
+
+    Choices that shape a program (whether it calls the native kernels at all, how it cuts a
+    message for them) follow this, not the host: traced here for an abstract TPU or GPU mesh, a
+    program takes that platform's path. Choices between kernels of the same shape go through
+    `lax.platform_dependent` instead, so that one program lowers for every platform."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 @dataclasses.dataclass(frozen=True)
 class NativeKernel:
     """One C++ source exporting one XLA FFI handler `symbol`, registered as `target` on CPU;

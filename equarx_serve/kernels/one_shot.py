@@ -65,7 +65,7 @@ from jax import lax
 
 from equarx_serve.kernels import block_quantize
 from equarx_serve.kernels.block_quantize import NONFINITE_CODE
-from equarx_serve.kernels.native import NativeKernel
+from equarx_serve.kernels.native import NativeKernel, target_platform
 
 __all__ = [
     "MAX_BLOCK",
@@ -259,7 +259,7 @@ def decodes_each(block: int, group: int) -> bool:
     """Whether `decode_rotate_each` is the faster way for these rows: the CPU, an AVX-512 build
     of the kernels, and the form its vector loop takes (groups of 64 of blocks of 16 to 64)."""
     fits = group == 64 and block in (16, 32, 64)
-    return fits and jax.default_backend() == "cpu" and DECODE_EACH.available() and vectorized()
+    return fits and target_platform() == "cpu" and DECODE_EACH.available() and vectorized()
 
 
 def decode_rotate_each(
@@ -312,11 +312,11 @@ def decode_rotate_each(
 
 
 def pays(block: int) -> bool:
-    """Whether the kernels are the faster way for rows of `block`: the default backend is the
-    CPU, the block is one the kernels take, they are available (built on the first call) and
-    built with AVX-512 (`vectorized`)."""
+    """Whether the kernels are the faster way for rows of `block`: the program is traced for
+    the CPU (`target_platform`), the block is one the kernels take, they are available (built
+    on the first call) and built with AVX-512 (`vectorized`)."""
     fits = 2 <= block <= MAX_BLOCK and not block & (block - 1)
-    return fits and jax.default_backend() == "cpu" and DEQUANTIZE.available() and vectorized()
+    return fits and target_platform() == "cpu" and DEQUANTIZE.available() and vectorized()
 
 
 @functools.cache
@@ -500,7 +500,7 @@ def quantizes_chunks(block: int, group: int) -> bool:
     64)."""
     fits = group == 64 and block in (16, 32, 64)
     native = QUANTIZE.available() and REDUCE_CHUNK.available()
-    return fits and jax.default_backend() == "cpu" and native and vectorized()
+    return fits and target_platform() == "cpu" and native and vectorized()
 
 
 def dequantize_rotate(
