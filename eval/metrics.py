@@ -49,25 +49,35 @@ Trace = dict[str, Any]  # models.gemma3 all-reduce trace: {"layer_i": {"attn"|"m
 
 def local_copy(x: jax.Array) -> jax.Array:
     """One device's copy of a replicated array, so work on it runs once, not once per replica."""
+    if not x.sharding.is_fully_replicated:
+        raise ValueError(f"local_copy needs a replicated array, got {x.sharding}")
     return x.addressable_shards[0].data
 
 
 def split_positions(x: jax.Array, mesh: Mesh, axis_name: str) -> jax.Array:
-    """A replicated [B, L, ...] array re-laid out as L / N positions per device of the mesh
-    axis (each device already holds them: nothing moves), so scoring runs once, in parallel;
-    one device's copy when N does not divide L. Measured on XLA:CPU with 2 host devices: 28 s
-    to score [2, 511, 262144] logits on one device, 5.7 s split over both."""
-    if x.shape[1] % mesh.shape[axis_name]:
-        return local_copy(x)
-    return _relayout(NamedSharding(mesh, P(None, axis_name)))(x)
+    """A [B, L, ...] array, laid out any way (the engine's logits are vocab-sharded), re-laid
+    out as ceil(L / N) positions per device of the mesh axis, so scoring runs once, in
+    parallel. When N does not divide L the positions are padded with zeros up to a multiple
+    of N; callers score only their first positions (the window's), never the padding.
+    Measured on XLA:CPU with 2 host devices: 28 s to score [2, 511, 262144] logits on one
+    device, 5.7 s split over both."""
+    num_devices = mesh.shape[axis_name]
+    padded = -(-x.shape[1] // num_devices) * num_devices
+    return _relayout(NamedSharding(mesh, P(None, axis_name)), padded - x.shape[1])(x)
 
 
 @functools.cache
-def _relayout(sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
-    """A compiled identity into `sharding`: each device keeps its slice of a replicated input.
+def _relayout(sharding: NamedSharding, pad: int) -> Callable[[jax.Array], jax.Array]:
+    """A compiled copy into `sharding`, `pad` zero positions appended to axis 1.
     (`jax.device_put` takes a slow path for this, through one host copy of the whole array:
     ~1 GiB of f32 logits a batch.)"""
-    return jax.jit(lambda x: x, out_shardings=sharding)
+
+    def pad_positions(x: jax.Array) -> jax.Array:
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, pad)
+        return jnp.pad(x, widths)
+
+    return jax.jit(pad_positions, out_shardings=sharding)
 
 
 @functools.partial(

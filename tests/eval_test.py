@@ -299,6 +299,38 @@ def test_quantized_methods_show_their_error_and_naive_int8_is_worse():
     assert methods["equarx-int8:min_size_bytes=1048576"]["kl_mean"] == 0
 
 
+def test_split_positions_pads_any_length_and_gathers_a_vocab_sharded_array():
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = mesh_of(2)
+    values = np.arange(3 * 7 * 8, dtype=np.float32).reshape(3, 7, 8)  # [B, L odd, V]
+    vocab_sharded = jax.device_put(values, NamedSharding(mesh, P(None, None, "tp")))
+    split = metrics.split_positions(vocab_sharded, mesh, "tp")
+    assert split.shape == (3, 8, 8)
+    assert split.sharding.spec == P(None, "tp")
+    np.testing.assert_array_equal(np.asarray(split)[:, :7], values)
+    np.testing.assert_array_equal(np.asarray(split)[:, 7:], 0)
+    with pytest.raises(ValueError, match="replicated"):
+        metrics.local_copy(vocab_sharded)
+
+
+def test_a_window_that_fills_no_bucket_scores_like_one_inside_a_larger_bucket():
+    """Regression: a window of 37 tokens (no bucket size, and odd at TP = 2) scored nan
+    perplexity, from gathering targets out of one device's half of the vocab-sharded logits.
+    The same windows, padded to the 64 bucket (the greedy prompts need it), score the same."""
+    mesh_of(2)
+    settings = dict(model="tiny", tp=2, seq_len=37, num_seqs=2, batch_size=2, greedy_prompts=0)
+    exact = harness.run_eval(harness.EvalConfig(**settings, greedy_prompt_len=12, greedy_tokens=6))
+    padded = harness.run_eval(harness.EvalConfig(**settings, greedy_prompt_len=64))
+    for label, numbers in exact["methods"].items():
+        assert math.isfinite(numbers["perplexity"]), label
+        assert numbers["nonfinite"] == 0
+        for key in ("perplexity", "kl_mean", "top1_agreement"):
+            assert numbers[key] == pytest.approx(padded["methods"][label][key], rel=1e-3, abs=1e-6)
+
+
 def test_per_layer_error_covers_every_all_reduce_in_depth_order():
     per_layer = _tiny_report()["methods"]["equarx-int8"]["per_layer"]
     assert _tiny_report()["settings"]["model_info"]["source"] == "random-init"
