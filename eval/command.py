@@ -22,9 +22,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
-from equarx_serve.model_args import add_model_arguments, check_model_arguments
+from equarx_serve.generation.model_args import add_model_arguments, check_model_arguments
 from eval import harness
 from eval.corpus import CORPORA, DEFAULT_CORPUS
 from models.config import DEFAULT_MAX_LENGTH
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--check: {e}") from None
     config = config_from_args(args, gate.methods_named(limits) if limits else [])
 
-    from equarx_serve.devices import set_host_device_count
+    from equarx_serve.distributed.devices import set_host_device_count
 
     set_host_device_count(config.tp)
     from tqdm import tqdm

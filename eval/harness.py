@@ -15,7 +15,7 @@ for each batch of windows the reference runs once, then the floor and every meth
 logits are scored against the reference's, their all-reduce outputs against the reference's
 at the same site (`eval.metrics`), then dropped, so memory holds one batch's logits for two
 runs, never a method's whole corpus. Greedy agreement decodes the same prompts (each from its
-own place in the corpus) with every engine (`equarx_serve.decode.Generator`, KV cache, the
+own place in the corpus) with every engine (`generation.generator.Generator`, KV cache, the
 method on every all-reduce).
 
 Quantized methods run with their size gate off (`min_size_bytes=0`) unless the method spec
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from equarx_serve.collectives.registry import MethodSpec, get_all_reduce, parse_method
-from equarx_serve.model_args import DEFAULT_MODEL
+from equarx_serve.generation.model_args import DEFAULT_MODEL
 from eval.corpus import DEFAULT_CORPUS
 
 if TYPE_CHECKING:
@@ -163,8 +163,8 @@ class _Run:
 def _build_engines(config: EvalConfig, log: Callable[[str], None]) -> _Run:
     import jax.numpy as jnp
 
-    from equarx_serve.decode import byte_tokenizer
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.generator import byte_tokenizer
+    from equarx_serve.generation.prefill import PrefillEngine
 
     all_reduces = {spec.label: _with_gate_off(spec) for spec in config.all_methods()}
     max_length = max(config.seq_len, config.greedy_prompt_len + config.greedy_tokens)
@@ -250,7 +250,7 @@ def _score_windows(
 
 def _greedy(run: _Run, prompts: list[list[int]], max_tokens: int) -> dict[str, dict[str, Any]]:
     """Every engine's greedy continuation of the prompts, against the reference's."""
-    from equarx_serve.decode import Generator, SamplingParams
+    from equarx_serve.generation.generator import Generator, SamplingParams
     from eval import metrics
 
     sampling = SamplingParams(max_tokens=max_tokens)

@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 
-from equarx_serve.cluster import Cluster, Link
+from equarx_serve.distributed.cluster import Cluster, Link
 
 WAITER = "import os, time; print(os.getpid(), flush=True); time.sleep(3600)"
 

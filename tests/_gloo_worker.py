@@ -19,8 +19,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx_serve import multiprocess
 from equarx_serve.collectives import AllReduce, get_all_reduce, transport
+from equarx_serve.distributed import multiprocess
 
 SHAPE = (32, 512)
 

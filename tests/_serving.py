@@ -13,13 +13,13 @@ from collections.abc import Iterator
 
 import httpx
 
-from equarx_serve.decode import Generator
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.generation.generator import Generator
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.runner import DeviceRunner
 from equarx_serve.generation.steps import DecodeStep, PrefillStep
-from equarx_serve.multiprocess import free_port
 from equarx_serve.server.http import uvicorn_config
-from equarx_serve.server_settings import HTTPSettings
+from equarx_serve.server.settings import HTTPSettings
 
 
 def wait_healthy(url: str, processes: list[subprocess.Popen], timeout_s: float) -> None:

@@ -8,10 +8,11 @@ import json
 import pytest
 from cluster_helpers import needs_root
 
-from equarx_serve import cli, cluster
+from equarx_serve import cli
+from equarx_serve.arguments import UsageError
 from equarx_serve.bench import allreduce
-from equarx_serve.cli_types import UsageError
 from equarx_serve.collectives.registry import parse_method
+from equarx_serve.distributed import cluster
 
 MIB = 1 << 20
 

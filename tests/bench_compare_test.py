@@ -19,7 +19,7 @@ import pytest
 from equarx_serve import cli
 from equarx_serve.bench import compare
 from equarx_serve.collectives.registry import parse_method
-from equarx_serve.decode import Completion
+from equarx_serve.generation.generator import Completion
 from models.config import get_config
 
 TINY = compare.CompareConfig(

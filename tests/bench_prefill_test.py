@@ -11,7 +11,7 @@ from cluster_helpers import needs_root
 
 from equarx_serve import cli
 from equarx_serve.bench.prefill import DEFAULT_METHODS, LINKS, add_comparisons
-from equarx_serve.multiprocess import free_port
+from equarx_serve.distributed.multiprocess import free_port
 from models.config import get_config
 
 

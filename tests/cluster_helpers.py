@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from equarx_serve import cluster
+from equarx_serve.distributed import cluster
 
 
 def missing_privileges() -> str | None:

@@ -1,4 +1,4 @@
-"""The emulated cluster (`equarx_serve.cluster`): link syntax, the privilege check, and, as root,
+"""The emulated cluster (`distributed/cluster.py`): link syntax, the privilege check, and, as root,
 hosts that come up, carry gloo at the link's rate, and go down without a trace whatever happens
 to the workers or the parent."""
 
@@ -15,8 +15,14 @@ from pathlib import Path
 import pytest
 from cluster_helpers import needs_root
 
-from equarx_serve import cluster, link_probe, multiprocess
-from equarx_serve.cluster import PROBE_TOLERANCE, Cluster, ClusterError, Link, LinkMeasurement
+from equarx_serve.distributed import cluster, link_probe, multiprocess
+from equarx_serve.distributed.cluster import (
+    PROBE_TOLERANCE,
+    Cluster,
+    ClusterError,
+    Link,
+    LinkMeasurement,
+)
 
 GLOO_WORKER = Path(__file__).with_name("_gloo_worker.py")
 PARENT = Path(__file__).with_name("_cluster_parent.py")
@@ -64,8 +70,8 @@ def test_link_probe_counts_the_payload_after_the_warm_up():
     """The probe's two ends over loopback (no root needed): it measures what it received."""
     port = multiprocess.free_port()
     receiver = subprocess.Popen(
-        [sys.executable, "-m", "equarx_serve.link_probe", "receive", "--port", str(port),
-         "--seconds", "0.5"], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-m", "equarx_serve.distributed.link_probe", "receive",
+         "--port", str(port), "--seconds", "0.5"], stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert receiver.stdout.readline().strip() == link_probe.READY_LINE
     link_probe.send("127.0.0.1", port, 0.5)
@@ -331,7 +337,7 @@ def test_cleanup_command_removes_a_dead_runs_namespaces():
     parent.kill()
     parent.communicate(timeout=60)
     done = subprocess.run(
-        [sys.executable, "-m", "equarx_serve.cluster", "--cleanup"],
+        [sys.executable, "-m", "equarx_serve.distributed.cluster", "--cleanup"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 
-from equarx_serve.devices import set_host_device_count
+from equarx_serve.distributed.devices import set_host_device_count
 
 # Must happen before jax is imported anywhere: 8 host devices for meshes of 2, 4 and 8.
 set_host_device_count(8)

@@ -15,7 +15,7 @@ import pytest
 from conftest import mesh_of
 
 from equarx_serve.collectives import get_all_reduce
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.runner import DeviceRunner
 from models.config import get_config
 from models.gemma3 import init_params

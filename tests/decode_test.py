@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 from conftest import mesh_of
 
-from equarx_serve.decode import (
+from equarx_serve.generation.generator import (
     Completion,
     Generator,
     SamplingParams,
     byte_tokenizer,
     chat_prompt,
 )
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.sampling import sample_tokens
 from models.config import AttentionType, get_config
 from models.gemma3 import init_params
@@ -292,10 +292,10 @@ def test_all_reduce_usage_and_log(caplog):
     assert usage.prefill.shape == (2, 32, CONFIG.embed_dim)
     assert usage.prefill.message_bytes == 2 * 32 * CONFIG.embed_dim * 4
     assert usage.prefill.uses == usage.decode.uses == "psum (size gate)"
-    with caplog.at_level(logging.INFO, logger="equarx_serve.decode"):
+    with caplog.at_level(logging.INFO, logger="equarx_serve.generation.generator"):
         gen.generate(_prompts((4,)), SamplingParams(max_tokens=2))
         gen.generate(_prompts((5,)), SamplingParams(max_tokens=2))
-    logs = [r.getMessage() for r in caplog.records if r.name == "equarx_serve.decode"]
+    logs = [r.getMessage() for r in caplog.records if r.name == "equarx_serve.generation.generator"]
     assert len(logs) == 1 and "decode" in logs[0] and "psum (size gate)" in logs[0]
 
 

@@ -12,7 +12,7 @@ from conftest import mesh_of
 
 from equarx_serve.collectives import get_all_reduce
 from equarx_serve.collectives.hadamard import HadamardRotation
-from equarx_serve.engine import MIN_BUCKET, PrefillEngine, length_buckets
+from equarx_serve.generation.prefill import MIN_BUCKET, PrefillEngine, length_buckets
 from models.config import get_config
 from models.gemma3 import TensorParallelGemma3, init_params, mask_from_lengths
 

@@ -15,8 +15,8 @@ import pytest
 from conftest import mesh_of
 
 from equarx_serve.collectives import get_all_reduce
-from equarx_serve.decode import Generator, SamplingParams
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.generator import Generator, SamplingParams
+from equarx_serve.generation.prefill import PrefillEngine
 from models.config import get_config
 
 TINY_MAX_TOKENS = (20, 9, 30, 12, 25)

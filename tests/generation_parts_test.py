@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 from equarx_serve.collectives import get_all_reduce
-from equarx_serve.engine import length_buckets
 from equarx_serve.generation import steps as steps_lib
 from equarx_serve.generation.batching import BatchPolicy, Phase, StepShape
 from equarx_serve.generation.detokenizer import Detokenizer
 from equarx_serve.generation.engine import StepEngine
 from equarx_serve.generation.events import ErrorEvent, FinishedEvent, FinishReason, TokenEvent
 from equarx_serve.generation.kv_cache import SlotTable
+from equarx_serve.generation.prefill import length_buckets
 from equarx_serve.generation.runner import CacheLost, FatalRunnerError, StepOutput
 from equarx_serve.generation.sampling import SamplingBatch, SamplingParams
 from equarx_serve.generation.steps import DecodeStep, PrefillStep, ReleaseStep, StopStep

@@ -20,9 +20,9 @@ from _serving import gated_generator, metric, serving, sse_events, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.server import create_app
-from equarx_serve.server_settings import HTTPSettings
+from equarx_serve.server.settings import HTTPSettings
 
 MODEL = "tiny"
 # As the engines of server_test.py and server_hardening_test.py: the same programs, so each is

@@ -542,7 +542,7 @@ def test_our_tensor_parallel_model_on_the_real_weights(gemma270m):
     import jax
     import jax.numpy as jnp
 
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.prefill import PrefillEngine
     from models.config import get_config
 
     params, tok, _ = gemma270m

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from equarx_serve import multiprocess
-from equarx_serve.devices import HUGE_PAGES_TUNABLE, with_huge_pages
+from equarx_serve.distributed import multiprocess
+from equarx_serve.distributed.devices import HUGE_PAGES_TUNABLE, with_huge_pages
 
 WORKER = Path(__file__).with_name("_gloo_worker.py")
 

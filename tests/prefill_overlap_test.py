@@ -15,7 +15,7 @@ from conftest import mesh_of
 
 from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS
 from equarx_serve.collectives import get_all_reduce
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.generation.prefill import PrefillEngine
 from models.config import get_config
 from models.gemma3 import (
     MIN_CHUNK_TOKENS,

@@ -10,10 +10,10 @@ import threading
 import pytest
 import uvicorn
 
-from equarx_serve import serve_bench
-from equarx_serve.decode import Generator
-from equarx_serve.engine import PrefillEngine
-from equarx_serve.multiprocess import free_port
+from equarx_serve.bench import serve as serve_bench
+from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.generation.generator import Generator
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.server import create_app
 
 MODEL = "tiny"

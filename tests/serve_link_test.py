@@ -14,11 +14,11 @@ import pytest
 from _serving import wait_healthy
 from cluster_helpers import needs_root
 
-from equarx_serve import processes
-from equarx_serve.cli_types import UsageError
-from equarx_serve.cluster import Cluster, Link
-from equarx_serve.multiprocess import free_port
-from equarx_serve.port_forward import forward_into
+from equarx_serve.arguments import UsageError
+from equarx_serve.cli import processes
+from equarx_serve.distributed.cluster import Cluster, Link
+from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.distributed.port_forward import forward_into
 
 MODEL = "tiny"
 SERVE = [sys.executable, "-m", "equarx_serve", "serve", "--model", MODEL, "--tp", "2"]

@@ -15,10 +15,10 @@ import pytest
 from _serving import wait_healthy
 from fastapi.testclient import TestClient
 
-from equarx_serve.decode import Generator, SamplingParams
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.generation.generator import Generator, SamplingParams
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.replicated import EXIT_CLUSTER_FAILED, TOKEN_ENV
-from equarx_serve.multiprocess import free_port
 from equarx_serve.server import create_app
 
 MODEL = "tiny"

@@ -30,12 +30,12 @@ from _serving import (
 )
 from fastapi.testclient import TestClient
 
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.sampling import sample_tokens
 from equarx_serve.generation.text import chat_prompt, encode_chat
-from equarx_serve.multiprocess import free_port
 from equarx_serve.server import create_app
-from equarx_serve.server_settings import HTTPSettings
+from equarx_serve.server.settings import HTTPSettings
 
 MODEL = "tiny"
 MAX_LENGTH = 256
@@ -443,7 +443,7 @@ def test_api_key_docs_switch_and_host_allow_list(engine):
 def test_serve_defaults_allow_loopback_hosts_only_on_loopback():
     import argparse
 
-    from equarx_serve import serve_command
+    from equarx_serve.cli import serve as serve_command
 
     parser = argparse.ArgumentParser()
     serve_command.add_arguments(parser)

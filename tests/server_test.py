@@ -18,10 +18,10 @@ from _serving import assert_error, gated_generator, metric, sse_events, wait_hea
 from fastapi.testclient import TestClient
 
 from equarx_serve.bench.hlo_bytes import collective_wire_bytes
-from equarx_serve.decode import Generator
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.generation.generator import Generator
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.steps import DecodeStep, PrefillStep
-from equarx_serve.multiprocess import free_port
 from equarx_serve.server import create_app
 from models.gemma3 import layers_hlo
 

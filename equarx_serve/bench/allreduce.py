@@ -52,14 +52,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.bench import links
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
-from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
-from equarx_serve.devices import with_huge_pages
+from equarx_serve.distributed.cluster import Link
+from equarx_serve.distributed.devices import with_huge_pages
 
 if TYPE_CHECKING:
-    from equarx_serve.multiprocess import Hosts
+    from equarx_serve.distributed.multiprocess import Hosts
 
 DEFAULT_SIZES = ("64KiB", "256KiB", "1MiB", "4MiB", "16MiB", "64MiB")
 WORKER_TIMEOUT_S = 1800.0
@@ -151,8 +151,8 @@ def _run_worker(
 ) -> dict[str, object]:
     """One worker run (N processes, on `hosts` if given, or one process with N devices);
     the parsed result."""
-    from equarx_serve import multiprocess
     from equarx_serve.bench import allreduce_worker
+    from equarx_serve.distributed import multiprocess
 
     devices = n if mode == "devices" else None
     command = allreduce_worker.command(

@@ -7,7 +7,7 @@ Started by `equarx-serve bench allreduce` (see `allreduce.py`), one run per (N, 
 
 `--devices N`: one process, N host CPU devices (`jax_num_cpu_devices`). Without it, one CPU
 device per process, joined by `jax.distributed` over gloo (`--coordinator`, `--num-processes`,
-`--process-id`; see `equarx_serve.multiprocess`). The mesh is 1-D, axis "x".
+`--process-id`; see `equarx_serve.distributed.multiprocess`). The mesh is 1-D, axis "x".
 
 Input: a [N, L] bf16 array sharded over "x", L = size / 2 bytes, LLM-activation-like and
 different on every device (`activations`). Reference: the same sum in f32 with an f32 output
@@ -49,12 +49,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx_serve import multiprocess
 from equarx_serve.bench import timeline
 from equarx_serve.bench.hlo_bytes import collective_wire_bytes
 from equarx_serve.collectives import get_all_reduce, transport
 from equarx_serve.collectives.equarx import EquarxInt8, RotatedInput
 from equarx_serve.collectives.ring import RingAllReduce
+from equarx_serve.distributed import multiprocess
 
 MODULE = "equarx_serve.bench.allreduce_worker"
 RESULT_MARKER = "EQUARX_BENCH_RESULT"

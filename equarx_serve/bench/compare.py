@@ -56,11 +56,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.bench.prefill import _seq_len
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import MethodSpec, parse_method
-from equarx_serve.devices import set_host_device_count
-from equarx_serve.model_args import add_model_arguments, check_model_arguments
+from equarx_serve.distributed.devices import set_host_device_count
+from equarx_serve.generation.model_args import add_model_arguments, check_model_arguments
 
 DEFAULT_SEQ_LENS = (128, 512, 2048)
 DEFAULT_BATCHES = (1, 8)
@@ -279,7 +279,7 @@ class ProjectSide:
     """This project: the engine's prefill and a `Generator` per batch size."""
 
     def __init__(self, engine: Any, batches: Sequence[int]):
-        from equarx_serve.decode import Generator
+        from equarx_serve.generation.generator import Generator
 
         self.engine = engine
         self.generators = {b: Generator(engine, max_batch=b) for b in batches}
@@ -295,7 +295,7 @@ class ProjectSide:
         return time.perf_counter() - start
 
     def decode(self, prompt: list[int], batch: int, max_tokens: int) -> DecodeRun:
-        from equarx_serve.decode import SamplingParams
+        from equarx_serve.generation.generator import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens)
         completions = self.generators[batch].generate([prompt] * batch, params)
@@ -514,7 +514,7 @@ def _load_engine(config: CompareConfig) -> Any:
     import jax.numpy as jnp
 
     from equarx_serve.collectives import get_all_reduce
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.prefill import PrefillEngine
 
     all_reduce = get_all_reduce(config.all_reduce.name, **config.all_reduce.options)
     try:

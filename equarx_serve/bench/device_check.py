@@ -114,7 +114,7 @@ def measure_speed(repeats: int, rows: int = 1 << 20) -> tuple[float, float]:
 
 
 def measure_prefill(tokens: int, repeats: int) -> str:
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.prefill import PrefillEngine
 
     try:
         engine = PrefillEngine.from_name("gemma3-270m", tp=1, max_length=tokens)

@@ -1,7 +1,7 @@
 """The benchmarks' emulated links: `--link RATE [--link-delay D]` for `--processes N`.
 
 With `--link`, the N processes of a multi-process mesh run on N emulated hosts joined by links
-shaped to RATE each way (`equarx_serve.cluster`: network namespaces, a bridge, tc; needs root),
+shaped to RATE each way (`distributed/cluster.py`: network namespaces, a bridge, tc; needs root),
 gloo carrying the collectives over real TCP on those links. Before the first measurement on a
 mesh, the TCP goodput between two hosts is measured and printed (`Cluster.measure_link`); the
 efficiencies use that MEASURED rate, not the configured one:
@@ -18,10 +18,10 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from equarx_serve.cluster import Cluster, ClusterError, Link, check_privileges
+from equarx_serve.distributed.cluster import Cluster, ClusterError, Link, check_privileges
 
 if TYPE_CHECKING:
-    from equarx_serve.multiprocess import Hosts
+    from equarx_serve.distributed.multiprocess import Hosts
 
 
 def add_arguments(parser: argparse.ArgumentParser, argument_type: Callable) -> None:

@@ -48,15 +48,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.bench import links
 from equarx_serve.bench.allreduce import or_dash, percent, resolve_methods
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
-from equarx_serve.cluster import Link
 from equarx_serve.collectives.registry import MethodSpec, parse_method
-from equarx_serve.devices import with_huge_pages
+from equarx_serve.distributed.cluster import Link
+from equarx_serve.distributed.devices import with_huge_pages
 
 if TYPE_CHECKING:
-    from equarx_serve.multiprocess import Hosts
+    from equarx_serve.distributed.multiprocess import Hosts
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_SEQ_LENS = (128, 512, 2048)
@@ -133,8 +133,8 @@ def _run_worker(
 ) -> dict[str, object] | None:
     """One worker run for one sequence length (--processes on `hosts` if given); the parsed
     result (None on a multi-host process other than 0, which reports nothing)."""
-    from equarx_serve import multiprocess
     from equarx_serve.bench import prefill_worker
+    from equarx_serve.distributed import multiprocess
 
     command = prefill_worker.command(
         config.model,

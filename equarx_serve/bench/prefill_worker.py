@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from equarx_serve import multiprocess
 from equarx_serve.bench.allreduce_worker import (
     RESULT_MARKER,
     gather_processes,
@@ -53,7 +52,8 @@ from equarx_serve.bench.allreduce_worker import (
 )
 from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS, collective_wire_bytes
 from equarx_serve.collectives import AllReduce, get_all_reduce
-from equarx_serve.engine import PrefillEngine
+from equarx_serve.distributed import multiprocess
+from equarx_serve.generation.prefill import PrefillEngine
 from models.gemma3 import layers_hlo
 
 __all__ = ["RESULT_MARKER", "NoReduce", "command", "measure", "parse_result"]

@@ -42,8 +42,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from equarx_serve.arguments import argument_type, int_at_least
 from equarx_serve.bench.allreduce import format_size, parse_size
-from equarx_serve.cli_types import argument_type, int_at_least
 
 AXIS = "x"
 QUANT_BLOCK = 64
@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = args.sizes or [parse_size(s) for s in DEFAULT_SIZES]
 
-    from equarx_serve.devices import set_host_device_count
+    from equarx_serve.distributed.devices import set_host_device_count
 
     set_host_device_count(args.devices)
     transform = time_transform(sizes, args.blocks, args.repeats)

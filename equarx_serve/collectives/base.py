@@ -16,7 +16,8 @@ A method that rotates its input before quantizing (`equarx-int8`'s Hadamard) say
 `foldable_rotation`; a model may fold that rotation into the weights that produce the input and
 reduce with `with_rotated_input()`, which applies only the inverse. `exact_sum` is the f32
 value an all-reduce approximates, for measuring its error.
-Users add their own with `register_all_reduce` (`registry.py`).
+Users add their own with `register_all_reduce` (`registry.py`); the built-in ones register
+in `baselines.py` (`psum`, `psum-f32`, `ring`, `naive-int8`) and `equarx.py`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.kernels.native import target_platform
 
 if TYPE_CHECKING:
@@ -123,20 +123,4 @@ def psum_wire_itemsize(dtype: jnp.dtype) -> int:
     return itemsize
 
 
-@dataclasses.dataclass(frozen=True)
-class PsumF32(AllReduce):
-    """Upcast to f32, `lax.psum`, cast back: the numerical reference."""
-
-    name: ClassVar[str] = "psum-f32"
-
-    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
-        return lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
-
-    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
-        return ring_all_reduce_bytes(num_elements * 4, axis_size)
-
-
 AllReduceFn = Callable[[jax.Array, str], jax.Array]
-
-register_all_reduce(AllReduce)
-register_all_reduce(PsumF32)

@@ -1,5 +1,6 @@
-"""Unquantized and naive baselines on the same pipelined ring as EQuARX.
+"""The baselines: XLA's own all-reduce, and unquantized and naive rings on EQuARX's schedule.
 
+`psum`       `lax.psum` in the input dtype (`AllReduce` itself); `psum-f32` upcasts first.
 `ring`       the EQuARX schedule with the input dtype on the wire (16 bits for bf16/f16), sent
              as raw bits (CPU XLA would otherwise widen 16-bit collectives to f32), partial sums
              accumulated in f32: isolates what quantization buys.
@@ -17,9 +18,27 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from equarx_serve.collectives.base import AllReduce, ring_all_reduce_bytes
 from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import RingAllReduce, take_chunk
 from equarx_serve.kernels.block_quantize import FLOAT32_TINY, INT8_MAX
+
+register_all_reduce(AllReduce)  # `psum`
+
+
+@register_all_reduce
+@dataclasses.dataclass(frozen=True)
+class PsumF32(AllReduce):
+    """Upcast to f32, `lax.psum`, cast back: the numerical reference."""
+
+    name: ClassVar[str] = "psum-f32"
+
+    def reduce(self, x: jax.Array, axis_name: str, axis_size: int) -> jax.Array:
+        return lax.psum(x.astype(jnp.float32), axis_name).astype(x.dtype)
+
+    def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
+        return ring_all_reduce_bytes(num_elements * 4, axis_size)
+
 
 _RAW_BITS = {2: jnp.uint16, 4: jnp.uint32}
 _LANE_BLOCK = 256  # elements per row of a lane; no scales, so only a layout choice

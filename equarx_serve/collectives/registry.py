@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from equarx_serve.collectives.base import AllReduce
 
 # Imported on first use; each registers its all-reduces (in this order: `list_all_reduces`).
-_BUILTIN_MODULES = ("base", "baselines", "equarx")
+_BUILTIN_MODULES = ("baselines", "equarx")
 
 _REGISTRY: dict[str, type[AllReduce]] = {}
 
@@ -83,8 +83,17 @@ def register_all_reduce(cls: type[AllReduce]) -> type[AllReduce]:
 
 
 def list_all_reduces() -> list[str]:
+    """The registered names: the built-ins in `_BUILTIN_MODULES` order (whichever module was
+    imported first), then users' in the order they registered."""
     _load_builtins()
-    return list(_REGISTRY)
+    # `psum` is the interface itself (`base.AllReduce`), registered by `baselines`.
+    modules = [f"equarx_serve.collectives.{module}" for module in ("base", *_BUILTIN_MODULES)]
+
+    def rank(name: str) -> int:
+        module = _REGISTRY[name].__module__
+        return modules.index(module) if module in modules else len(modules)
+
+    return sorted(_REGISTRY, key=rank)
 
 
 def get_all_reduce(name: str | MethodSpec | AllReduce, **options: object) -> AllReduce:

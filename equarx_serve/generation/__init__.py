@@ -12,6 +12,6 @@
                     followers run the same step; a lost follower fails the leader fast
     text.py         the Gemma 3 chat template, a byte tokenizer for random-init models
 
-`equarx_serve.decode.Generator` is the batch API on top (a loop over the step engine), and
+`generator.Generator` is the batch API on top (a loop over the step engine), and
 `equarx_serve.server` the OpenAI-compatible HTTP layer.
 """

@@ -38,7 +38,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from equarx_serve.engine import CompiledPrefill, PrefillEngine
 from equarx_serve.generation.batching import AllReduceTraffic, BatchPolicy, StepShape
 from equarx_serve.generation.detokenizer import Detokenizer
 from equarx_serve.generation.events import (
@@ -49,6 +48,7 @@ from equarx_serve.generation.events import (
     TokenEvent,
 )
 from equarx_serve.generation.kv_cache import SlotTable
+from equarx_serve.generation.prefill import CompiledPrefill, PrefillEngine
 from equarx_serve.generation.requests import Request
 from equarx_serve.generation.runner import (
     CacheLost,

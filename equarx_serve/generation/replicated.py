@@ -53,7 +53,7 @@ __all__ = [
     "follow",
 ]
 
-logger = logging.getLogger("equarx_serve.cluster")
+logger = logging.getLogger("equarx_serve.distributed.cluster")
 
 EXIT_CLUSTER_FAILED = 3  # a process of the mesh was lost
 TOKEN_ENV = "EQUARX_SERVE_CLUSTER_TOKEN"  # the shared secret of the control channel

@@ -27,8 +27,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx_serve.engine import CompiledPrefill, PrefillEngine
 from equarx_serve.generation.kv_cache import DeviceKVCache
+from equarx_serve.generation.prefill import CompiledPrefill, PrefillEngine
 from equarx_serve.generation.sampling import (
     SamplingBatch,
     sampling_input_shapes,

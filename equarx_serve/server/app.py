@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from equarx_serve.decode import Generator
+from equarx_serve.generation.generator import Generator
 from equarx_serve.generation.sampling import SamplingParams
 from equarx_serve.server.http import HTTPSettings, add_http_guards, drain_on_signal
 from equarx_serve.server.metrics import ServerMetrics

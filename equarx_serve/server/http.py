@@ -29,7 +29,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from equarx_serve.server.protocol import APIError
-from equarx_serve.server_settings import LOOPBACK_HOSTS, HTTPSettings
+from equarx_serve.server.settings import LOOPBACK_HOSTS, HTTPSettings
 
 __all__ = ["LOOPBACK_HOSTS", "HTTPSettings", "add_http_guards", "drain_on_signal", "uvicorn_config"]
 

@@ -28,9 +28,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
-from equarx_serve import demo, generate_command, serve_command
+from equarx_serve.arguments import UsageError
 from equarx_serve.bench import allreduce, compare, prefill
-from equarx_serve.cli_types import UsageError
+from equarx_serve.cli import demo, generate, serve
 from eval import command as eval_command
 
 
@@ -107,11 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     _add_command(
         commands, "generate", "generate text (streamed) with the tensor-parallel model, with "
-        "timings", generate_command, generate_command.add_arguments, generate_command.run,
+        "timings", generate, generate.add_arguments, generate.run,
     )  # fmt: skip
     _add_command(
         commands, "serve", "OpenAI-compatible HTTP server (completions, chat, streaming, "
-        "/metrics)", serve_command, serve_command.add_arguments, serve_command.run,
+        "/metrics)", serve, serve.add_arguments, serve.run,
     )  # fmt: skip
     return parser
 

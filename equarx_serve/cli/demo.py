@@ -64,8 +64,8 @@ def _one_line(text: str, width: int = 88) -> str:
 def serve_side_by_side(out: dict[str, Any]) -> None:
     """Part 1: generate with every SERVE_METHODS entry on one loaded model."""
     from equarx_serve.collectives import get_all_reduce
-    from equarx_serve.decode import Generator, SamplingParams
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.generator import Generator, SamplingParams
+    from equarx_serve.generation.prefill import PrefillEngine
 
     started = time.perf_counter()
     base = PrefillEngine.from_name(MODEL, TP, "psum", max_length=2048)
@@ -150,7 +150,7 @@ def evaluate(out_dir: Path, out: dict[str, Any]) -> None:
 def run(out_dir: Path) -> int:
     """All three parts; 0 on success."""
     from equarx_serve.collectives import list_all_reduces
-    from equarx_serve.devices import set_host_device_count
+    from equarx_serve.distributed.devices import set_host_device_count
 
     set_host_device_count(TP)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,6 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
-from equarx_serve.engine import PrefillEngine
 from equarx_serve.generation.batching import AllReduceUsage, BatchPolicy
 from equarx_serve.generation.engine import Runner, StepEngine, StepRecord, check_request
 from equarx_serve.generation.events import (
@@ -38,6 +37,7 @@ from equarx_serve.generation.events import (
     FinishedEvent,
     FinishReason,
 )
+from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.runner import DeviceRunner
 from equarx_serve.generation.sampling import SamplingParams
 from equarx_serve.generation.text import byte_tokenizer, chat_prompt
@@ -52,7 +52,7 @@ __all__ = [
     "chat_prompt",
 ]
 
-logger = logging.getLogger("equarx_serve.decode")
+logger = logging.getLogger("equarx_serve.generation.generator")
 
 DEFAULT_PARAMS = SamplingParams()
 OnToken = Callable[[int, int, str], bool | None]

@@ -1,13 +1,13 @@
 """Serving measured with the official OpenAI Python client (`openai`), against real servers.
 
-    python -m equarx_serve.serve_bench [--model gemma3-270m] [--tp 2] [--processes 2]
+    python -m equarx_serve.bench.serve [--model gemma3-270m] [--tp 2] [--processes 2]
         [--methods psum equarx-int8] [--ttft-tokens 2000] [--ttft-repeats 5]
         [--clients 1 4 16] [--load-method M] [--requests-per-client 4] [--max-tokens 16]
         [--link RATE [--link-delay D]] [--json PATH]
 
 For each all-reduce in --methods, one `equarx-serve serve` is started (its own process group;
 with --processes N, N local processes joined by gloo over loopback, or with --link RATE on
-emulated hosts joined by links of that rate, root only, see `equarx_serve/cluster.py`), waited
+emulated hosts joined by links of that rate, root only, see `distributed/cluster.py`), waited
 for (/health), then measured, then stopped with SIGTERM:
 
 1. Time to first token of a long prompt: a streamed completion (`max_tokens` 2, greedy) of
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import httpx
 
-from equarx_serve.multiprocess import free_port
+from equarx_serve.distributed.multiprocess import free_port
 
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 900.0

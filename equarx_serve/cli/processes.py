@@ -17,7 +17,7 @@ for the others on the control port (default: the coordinator's port + 1, on its 
 drives the steps (`generation/replicated.py`); the others follow until it stops them.
 
 With `--link RATE [--link-delay D]` the N local processes run on N emulated hosts joined by
-links of that rate (`equarx_serve.cluster`: network namespaces, a bridge, tc; needs root), the
+links of that rate (`distributed/cluster.py`: network namespaces, a bridge, tc; needs root), the
 link measured first and printed; the coordinator and the control channel are on host 0. `serve`
 then listens inside host 0's namespace, and the launcher forwards its own --host/--port (in the
 namespace it runs in) there (`port_forward.py`: no interface or route is added to any
@@ -43,12 +43,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from equarx_serve.arguments import UsageError, argument_type, int_at_least, positive_seconds
 from equarx_serve.bench import links
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least, positive_seconds
-from equarx_serve.devices import DEVICE_COUNT_FLAG, set_host_device_count, with_huge_pages
+from equarx_serve.distributed.devices import (
+    DEVICE_COUNT_FLAG,
+    set_host_device_count,
+    with_huge_pages,
+)
 
 if TYPE_CHECKING:
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.prefill import PrefillEngine
     from equarx_serve.generation.replicated import Leader
 
 __all__ = [
@@ -62,7 +66,7 @@ __all__ = [
     "start_leader",
 ]
 
-logger = logging.getLogger("equarx_serve.cluster")
+logger = logging.getLogger("equarx_serve.distributed.cluster")
 
 LOOPBACK = "127.0.0.1"
 DEFAULT_FOLLOWER_TIMEOUT_S = 15.0
@@ -175,7 +179,7 @@ def set_up_devices(cluster: Cluster, tp: int) -> None:
     """This process's host devices (before JAX starts), and joining the mesh's processes."""
     set_host_device_count(tp // cluster.num_processes)
     if cluster.member:
-        from equarx_serve import multiprocess
+        from equarx_serve.distributed import multiprocess
 
         _native_output_to_stderr()
         multiprocess.initialize(cluster.coordinator, cluster.num_processes, cluster.process_id)
@@ -265,35 +269,31 @@ class Placement:
 
 
 def local_placement() -> Placement:
-    from equarx_serve.multiprocess import free_port
+    from equarx_serve.distributed.multiprocess import free_port
 
     return Placement(f"{LOOPBACK}:{free_port()}", free_port())
 
 
-def launch_local(command: str, num_processes: int, placement: Placement | None = None) -> int:
+def launch_local(
+    command: str,
+    num_processes: int,
+    args: argparse.Namespace,
+    placement: Placement | None = None,
+) -> int:
     """Runs this command as `num_processes` member processes (see module doc): where
-    `placement` says, else on emulated hosts when the command line has --link, else on this
-    host's loopback. Returns the exit code: process 0's if it failed, else the first failing
-    process's, else 0."""
-    if placement is None:
-        args = _command_line()
-        if args.link is not None:
-            return _launch_on_emulated_hosts(command, num_processes, args)
+    `placement` says, else on emulated hosts when `args` (this process's parsed command line,
+    the one the launch re-runs) has --link, else on this host's loopback. Returns the exit
+    code: process 0's if it failed, else the first failing process's, else 0."""
+    if placement is None and args.link is not None:
+        return _launch_on_emulated_hosts(command, num_processes, args)
     return _launch(command, num_processes, placement or local_placement())
-
-
-def _command_line() -> argparse.Namespace:
-    """This process's command line (the one the launch re-runs), parsed as the CLI does."""
-    from equarx_serve.cli import build_parser
-
-    return build_parser().parse_args(sys.argv[1:])
 
 
 def _launch_on_emulated_hosts(command: str, num_processes: int, args: argparse.Namespace) -> int:
     """The launch on `num_processes` emulated hosts joined by the --link, measured first; for
     `serve`, --host/--port here forwarded to process 0's HTTP port inside host 0."""
-    from equarx_serve.cluster import Cluster
-    from equarx_serve.port_forward import forward_into
+    from equarx_serve.distributed.cluster import Cluster
+    from equarx_serve.distributed.port_forward import forward_into
 
     with Cluster(num_processes, links.link_from_args(args, processes=True)) as hosts:
         print(hosts.measure_link().summary(), file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ deadlines for a request's head and body, idle keep-alive timeout, a connection l
 optional API key (--api-key or the EQUARX_API_KEY environment variable), --no-docs, and a
 Host allow-list (on a loopback --host: loopback names only, against DNS rebinding).
 
-Across processes (`equarx_serve/processes.py`): `--processes N` runs N local processes joined
+Across processes (`equarx_serve/cli/processes.py`): `--processes N` runs N local processes joined
 by gloo, TP / N devices each; on several hosts, the same command on each with its own
 `--process-id`. Process 0 serves HTTP and decides each step, the others run the same steps
 (the mesh spans them). If another process exits or hangs, process 0 answers every request
@@ -43,9 +43,13 @@ import signal
 import threading
 from typing import Any
 
-from equarx_serve import processes
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
-from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
+from equarx_serve.cli import processes
+from equarx_serve.generation.model_args import (
+    add_model_arguments,
+    check_model_arguments,
+    engine_from_args,
+)
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_QUEUE = 64
@@ -135,7 +139,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     """The operator's limits and access settings (see the module doc)."""
-    from equarx_serve.server_settings import HTTPSettings
+    from equarx_serve.server.settings import HTTPSettings
 
     defaults = HTTPSettings()
     parser.add_argument(
@@ -178,7 +182,7 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
     """--allowed-hosts, or by default loopback names on a loopback --host ("*": any)."""
-    from equarx_serve.server_settings import LOOPBACK_HOSTS
+    from equarx_serve.server.settings import LOOPBACK_HOSTS
 
     if args.allowed_hosts is not None:
         hosts = tuple(h.strip() for h in args.allowed_hosts.split(",") if h.strip())
@@ -192,7 +196,7 @@ def _allowed_hosts(args: argparse.Namespace) -> tuple[str, ...]:
 
 def http_settings(args: argparse.Namespace) -> Any:
     """The `HTTPSettings` of the command line (UsageError for bad values)."""
-    from equarx_serve.server_settings import HTTPSettings
+    from equarx_serve.server.settings import HTTPSettings
 
     try:
         return HTTPSettings(
@@ -219,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
     settings = http_settings(args)
     cluster = processes.cluster_from_args(args)
     if cluster.launch:
-        return processes.launch_local("serve", cluster.launch)
+        return processes.launch_local("serve", cluster.launch, args)
     where = f"p{cluster.process_id} " if cluster.member else ""
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -238,7 +242,7 @@ def _serve(args: argparse.Namespace, settings: Any, engine: Any, leader: Any) ->
     """Process 0: the HTTP server; with a leader, over the processes it drives."""
     import uvicorn
 
-    from equarx_serve.decode import Generator
+    from equarx_serve.generation.generator import Generator
     from equarx_serve.generation.replicated import EXIT_CLUSTER_FAILED, ReplicatedRunner
     from equarx_serve.generation.runner import DeviceRunner
     from equarx_serve.server import create_app, drain_on_exit

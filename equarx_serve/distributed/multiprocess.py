@@ -25,7 +25,7 @@ from typing import Protocol
 import jax
 
 from equarx_serve.collectives import transport
-from equarx_serve.devices import with_huge_pages
+from equarx_serve.distributed.devices import with_huge_pages
 
 
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:

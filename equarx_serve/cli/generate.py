@@ -9,7 +9,7 @@
 
 The model is sharded over TP host CPU devices (XLA_FLAGS
 --xla_force_host_platform_device_count=TP, set before JAX is imported) and the prompts run as
-one `Generator.generate` call (batches of up to --max-batch, see `equarx_serve/decode.py`).
+one `Generator.generate` call (batches of up to --max-batch, see `generation/generator.py`).
 A first, short run of the same prompts compiles the programs (its time is reported as
 warm-up; --no-warmup skips it, and the timings then include compilation). One prompt streams
 its text as it is generated; several print at the end. Then: prefill ms, time to first token,
@@ -20,7 +20,7 @@ messages, and every decode step's, to psum). --json prints one JSON object inste
 --chat wraps each prompt as a user turn of the Gemma 3 chat template. Random-init models
 ("tiny") have no tokenizer: a byte-level one of their vocabulary size is used.
 
-Across processes, as `serve` (`equarx_serve/processes.py`): `--processes N` runs N local
+Across processes, as `serve` (`equarx_serve/cli/processes.py`): `--processes N` runs N local
 processes joined by gloo (TP / N devices each), or one command per host with its own
 `--process-id`; process 0 decides every step and prints, the others run the same steps.
 
@@ -36,9 +36,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from equarx_serve import processes
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
-from equarx_serve.model_args import add_model_arguments, check_model_arguments, engine_from_args
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
+from equarx_serve.cli import processes
+from equarx_serve.generation.model_args import (
+    add_model_arguments,
+    check_model_arguments,
+    engine_from_args,
+)
 
 if TYPE_CHECKING:
     from equarx_serve.generation.batching import AllReduceUsage
@@ -168,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = processes.cluster_from_args(args)
     params = _sampling_params(args)
     if cluster.launch:
-        return processes.launch_local("generate", cluster.launch)
+        return processes.launch_local("generate", cluster.launch, args)
     if jax_fresh or cluster.member:
         processes.set_up_devices(cluster, args.tp)
     started = time.perf_counter()
@@ -209,7 +213,7 @@ def _generate(
     load_s: float,
 ) -> int:
     """Process 0 (or the only one): generate and print."""
-    from equarx_serve.decode import Generator, chat_prompt
+    from equarx_serve.generation.generator import Generator, chat_prompt
     from equarx_serve.generation.replicated import ReplicatedRunner
     from equarx_serve.generation.runner import DeviceRunner
 

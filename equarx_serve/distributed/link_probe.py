@@ -1,7 +1,7 @@
 """TCP throughput between two emulated hosts: one sender, one receiver, one TCP stream.
 
-    python -m equarx_serve.link_probe receive --port P --seconds S
-    python -m equarx_serve.link_probe send --to HOST:P --seconds S
+    python -m equarx_serve.distributed.link_probe receive --port P --seconds S
+    python -m equarx_serve.distributed.link_probe send --to HOST:P --seconds S
 
 The receiver listens, prints `READY_LINE` once it accepts connections (the sender is started
 only then: no sleeps, no connection retries), takes one connection and counts the payload
@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from equarx_serve.cli_types import argument_type, positive_seconds
+from equarx_serve.arguments import argument_type, positive_seconds
 
 READY_LINE = "READY"
 WARM_UP_FRACTION = 0.2

@@ -5,7 +5,7 @@
     result.logits  # [B, V] at each prompt's last token; result.cache["layer_0"]["k"] ...
 
 The engine builds a 1-D mesh "tp" over `jax.devices()[:tp]` (N host devices in one process,
-or, after `equarx_serve.multiprocess.initialize`, the global devices of N processes), shards
+or, after `distributed.multiprocess.initialize`, the global devices of N processes), shards
 the parameters once, and right-pads every batch to a length BUCKET: a power of two from
 `MIN_BUCKET` up to `max_length` (the last bucket is `max_length` itself), so that new prompt
 lengths reuse a compiled program. Programs are compiled ahead of time and cached per

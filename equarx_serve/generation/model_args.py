@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.cli_types import UsageError, argument_type, int_at_least
+from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -65,16 +65,19 @@ def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
     split TP ways, too few devices or unreadable weights."""
     import jax.numpy as jnp
 
-    from equarx_serve.bench.allreduce import resolve_methods
     from equarx_serve.collectives import get_all_reduce
-    from equarx_serve.engine import PrefillEngine
+    from equarx_serve.generation.prefill import PrefillEngine
 
-    resolve_methods([args.all_reduce])  # UsageError for an unknown name or option
+    spec = args.all_reduce
+    try:
+        all_reduce = get_all_reduce(spec.name, **spec.options)
+    except ValueError as e:
+        raise UsageError(f"method {spec.label!r}: {e}") from None
     try:
         return PrefillEngine.from_name(
             args.model,
             args.tp,
-            get_all_reduce(args.all_reduce.name, **args.all_reduce.options),
+            all_reduce,
             checkpoint=args.checkpoint,
             tokenizer=args.tokenizer,
             max_length=max_length,

@@ -27,7 +27,7 @@ left in the namespaces, deletes them (with them go their links, the bridge and t
 hosts files and the run's lock file. A SIGKILLed run cannot clean up after itself: the next
 cluster finds its namespaces by the prefix `equarx-`, sees that no live process holds the run's
 lock (/run/equarx-cluster/<run>.lock) and removes them; so does
-`python -m equarx_serve.cluster --cleanup`.
+`python -m equarx_serve.distributed.cluster --cleanup`.
 
 Needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN), iproute2 (`ip`, `tc`), util-linux (`unshare`,
 `setpriv`) and `hostname`: `check_privileges` fails at once, saying what is missing.
@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-from equarx_serve.link_probe import READY_LINE
+from equarx_serve.distributed.link_probe import READY_LINE
 
 PREFIX = "equarx-"
 SUBNET = "10.77.0"  # host i is SUBNET.(i+1); the /24 exists only inside the namespaces
@@ -540,7 +540,7 @@ class Cluster:
 
     def _probe(self, seconds: float) -> tuple[float, float]:
         """One round of `link_probe.py`: (bits/s host 0 -> 1, bits/s host 1 -> 0)."""
-        probe = [sys.executable, "-m", "equarx_serve.link_probe"]
+        probe = [sys.executable, "-m", "equarx_serve.distributed.link_probe"]
         timeout_s = seconds + PROBE_STARTUP_TIMEOUT_S
         processes: list[subprocess.Popen] = []
         try:
