@@ -84,6 +84,7 @@ class ServingLimits:
     max_queue: int
 
 
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer
 SHUTTING_DOWN = "the server is shutting down; retry on another replica"
 
 
@@ -283,7 +284,12 @@ class OpenAIServing:
     # -- answering ---------------------------------------------------------------------------
 
     def _submit(
-        self, request_id: str, prompt: list[int], params: SamplingParams, events: asyncio.Queue
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        events: asyncio.Queue,
+        group: str = "",
     ) -> Job:
         try:
             self.worker.engine.check(prompt, params)
@@ -296,6 +302,7 @@ class OpenAIServing:
             loop=asyncio.get_running_loop(),
             events=events,
             arrived=time.perf_counter(),
+            group=group,
         )
         try:
             self.worker.submit(job)
@@ -363,7 +370,7 @@ class OpenAIServing:
         try:
             for i, prompt in enumerate(prompts):
                 job_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                jobs.append(self._submit(job_id, prompt, params, events))
+                jobs.append(self._submit(job_id, prompt, params, events, group=request_id))
         except APIError:
             for job in jobs:
                 self._abandon(job)
@@ -395,8 +402,8 @@ class OpenAIServing:
             collect.cancel()  # no-op once done
             for job in pending.values():  # the client went away, or one job failed
                 self._abandon(job)
-        if collect.cancelled():
-            return Response(status_code=499)
+        if not collect.done():  # the client went away: `cancel` only asked it to stop
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         finished = collect.result()  # raises a failed job's APIError
         choices = []
         for index, (_, completion, _) in enumerate(finished):

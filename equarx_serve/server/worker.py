@@ -1,11 +1,13 @@
 """The server's worker: one thread owns the step engine (and through it the devices).
 
-Requests wait in a bounded queue (`max_queue`; full: `QueueFull` at once). The worker moves
-queued requests into the engine as slots free up (when the engine is idle it first waits
-`batch_window_s` for more, so a burst is prefilled as one batch), calls `engine.step()` and
-posts every event to its request's asyncio queue (`loop.call_soon_threadsafe`). A request the
-client gave up on (`cancel`) leaves the queue at once (its place goes to the next request), or
-is aborted in the engine, which frees its slot at once.
+Requests wait in a bounded queue (`max_queue` requests, however many prompts each carries;
+full: `QueueFull` at once) and take turns (`FairQueue`: one job of each waiting request in
+turn). The worker moves queued requests into the engine as slots free up (when the engine is
+idle it first waits `batch_window_s` for more, so a burst is prefilled as one batch), calls
+`engine.step()` and posts every event to its request's asyncio queue
+(`loop.call_soon_threadsafe`). A request the client gave up on (`cancel`) leaves the queue at
+once (its place goes to the next request), or is aborted in the engine, which frees its slot at
+once.
 
 `drain()` refuses new requests (`Draining`) and lets queued and running ones finish; `stop()`
 drains, lets the worker finish everything, and joins it. `end_all(reason)` answers every
@@ -19,7 +21,6 @@ device step, new requests get `Unavailable`, and `on_failure(reason)` is called 
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import logging
 import queue
@@ -31,6 +32,7 @@ from equarx_serve.generation.engine import StepEngine
 from equarx_serve.generation.events import ErrorEvent, ErrorKind, Event, FinishedEvent, TokenEvent
 from equarx_serve.generation.runner import FatalRunnerError
 from equarx_serve.generation.sampling import SamplingParams
+from equarx_serve.server.fair_queue import FairQueue
 
 __all__ = ["Draining", "EngineWorker", "Job", "QueueFull", "Unavailable"]
 
@@ -54,7 +56,8 @@ class Unavailable(Exception):
 @dataclasses.dataclass(eq=False)
 class Job:
     """One request on its way through the worker; `events` receives its `Event`s, the last
-    one a FinishedEvent or an ErrorEvent."""
+    one a FinishedEvent or an ErrorEvent. The jobs of one HTTP request (one per prompt) share
+    a `group`: they take one place in the queue, and turns with other requests'."""
 
     request_id: str
     prompt: list[int]
@@ -65,6 +68,10 @@ class Job:
     cancelled: bool = False  # the client went away
     done: bool = False  # its last event has been posted
     first_token_at: float | None = None
+    group: str = ""  # the request the job belongs to; "" for the job's own request_id
+
+    def __post_init__(self) -> None:
+        self.group = self.group or self.request_id
 
     def post(self, event: Event) -> None:
         """Posts an event (once `done`, nothing more: a failure may race the worker)."""
@@ -103,7 +110,7 @@ class EngineWorker:
         self._on_dequeue = on_dequeue
         self._on_failure = on_failure
         self.max_queue = max_queue
-        self._queue: collections.deque[Job] = collections.deque()  # guarded by _ready
+        self._queue: FairQueue[Job] = FairQueue()  # guarded by _ready
         self._ready = threading.Condition()  # a job was queued, or the stop mark was set
         self._stop_requested = False
         self._cancels: queue.SimpleQueue[Job] = queue.SimpleQueue()
@@ -121,32 +128,33 @@ class EngineWorker:
 
     @property
     def queue_depth(self) -> int:
-        return len(self._queue)
+        """The jobs (prompts) waiting."""
+        return self._queue.items
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="equarx-worker", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queues `job`; Unavailable, Draining or QueueFull at once when it cannot be taken."""
+        """Queues `job`; Unavailable, Draining or QueueFull (`max_queue` requests already
+        waiting, none of them `job`'s own) at once when it cannot be taken."""
         if self.failure is not None:
             raise Unavailable(self.failure)
         if self.draining or not self.alive:
             raise Draining
         with self._ready:
-            if len(self._queue) >= self.max_queue:
+            if len(self._queue) >= self.max_queue and not self._queue.has_group(job.group):
                 raise QueueFull
-            self._queue.append(job)
-            self._on_queue_depth(len(self._queue))
+            self._queue.append(job.group, job)
+            self._on_queue_depth(self._queue.items)
             self._ready.notify()
 
     def cancel(self, job: Job) -> None:
         """The client went away: take the job out of the queue, or abort it if running."""
         job.cancelled = True
         with self._ready:
-            if job in self._queue:
-                self._queue.remove(job)
-                self._on_queue_depth(len(self._queue))
+            if self._queue.remove(job.group, job):
+                self._on_queue_depth(self._queue.items)
                 return
         self._cancels.put(job)
 
@@ -154,8 +162,7 @@ class EngineWorker:
         """Answers every queued and running request with an ErrorEvent (unavailable), and
         aborts the running ones in the engine (the worker goes on)."""
         with self._ready:
-            jobs = list(self._queue)
-            self._queue.clear()
+            jobs = self._queue.clear()
             self._on_queue_depth(0)
         with self._lock:
             jobs += self._jobs.values()
@@ -168,7 +175,7 @@ class EngineWorker:
     def drain(self) -> None:
         """Refuse new requests from now on; queued and running ones still finish."""
         if not self.draining:
-            logger.info("draining: new requests get 503, %d queued", len(self._queue))
+            logger.info("draining: new requests get 503, %d queued", self._queue.items)
         self.draining = True
 
     def stop(self, timeout_s: float | None = None) -> None:
@@ -192,8 +199,7 @@ class EngineWorker:
             jobs = list(self._jobs.values())
         logger.error("the engine failed: %s; failing %d running requests", reason, len(jobs))
         with self._ready:
-            jobs += self._queue
-            self._queue.clear()
+            jobs += self._queue.clear()
             self._on_queue_depth(0)
         for job in jobs:
             job.post(ErrorEvent(job.request_id, reason, ErrorKind.UNAVAILABLE))
@@ -239,7 +245,7 @@ class EngineWorker:
                 if deadline is None:
                     deadline = time.perf_counter() + self.batch_window_s
                 self._admit(job)
-            self._on_queue_depth(len(self._queue))
+            self._on_queue_depth(self._queue.items)
 
     def _admit(self, job: Job) -> None:
         self._on_dequeue(job)
