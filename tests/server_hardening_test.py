@@ -335,18 +335,6 @@ def test_slow_clients_are_cut_off(live):
     assert status == 408 and json.loads(body)["error"]["code"] == "request_timeout"
 
 
-def test_connection_limit_answers_503(engine):
-    settings = HTTPSettings(max_connections=3)
-    app = create_app(gated_generator(engine), model_name=MODEL, http=settings)
-    with serving(app, settings) as url:
-        port = int(url.rsplit(":", 1)[1])
-        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
-        assert httpx.get(f"{url}/health").status_code == 503
-        for sock in held:
-            sock.close()
-        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200)
-
-
 # -- 9: the OpenAPI schema describes the API --------------------------------------------------
 def test_openapi_schema_describes_what_the_server_answers(live):
     schema = httpx.get(f"{live.url}/openapi.json").json()

@@ -167,16 +167,34 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
         ("--header-timeout", defaults.header_timeout_s, "seconds to send a request's head"),
         ("--body-timeout", defaults.body_timeout_s, "seconds to send a request's body (408)"),
         ("--keep-alive-timeout", defaults.keep_alive_s, "seconds an idle connection stays"),
+        (
+            "--write-timeout",
+            defaults.write_timeout_s,
+            "seconds a client may take none of a response's bytes before it is disconnected",
+        ),
     ):
         parser.add_argument(
             flag, type=float, default=default, metavar="S", help=f"{text} (default: %(default)s)"
+        )
+    for flag, default, text in (
+        ("--max-head-bytes", defaults.max_head_bytes, "largest request head, else 431"),
+        ("--max-headers", defaults.max_headers, "most header lines in a request head (431)"),
+        ("--send-buffer-bytes", defaults.send_buffer_bytes, "each connection's SO_SNDBUF"),
+    ):
+        parser.add_argument(
+            flag,
+            type=argument_type(int_at_least(1)),
+            default=default,
+            metavar="N",
+            help=f"{text} (default: %(default)s)",
         )
     parser.add_argument(
         "--max-connections",
         type=argument_type(int_at_least(1)),
         default=defaults.max_connections,
         metavar="N",
-        help="open connections (and requests) before new requests get 503 (default: %(default)s)",
+        help="open connections (and requests) before new requests get 503; /health and "
+        "/metrics still answer (default: %(default)s)",
     )
 
 
@@ -204,6 +222,10 @@ def http_settings(args: argparse.Namespace) -> Any:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             keep_alive_s=args.keep_alive_timeout,
+            max_head_bytes=args.max_head_bytes,
+            max_headers=args.max_headers,
+            write_timeout_s=args.write_timeout,
+            send_buffer_bytes=args.send_buffer_bytes,
             max_connections=args.max_connections,
             api_key=args.api_key,
             docs=not args.no_docs,

@@ -205,12 +205,17 @@ def create_app(
     app = FastAPI(title="equarx-serve", lifespan=lifespan, **docs)
     app.state.worker, app.state.metrics, app.state.generator = worker, metrics, generator
     app.state.http = http
+
+    def count_error(path: str, kind: str) -> None:
+        metrics.errors.labels(path if path in ENDPOINTS else "other", kind).inc()
+
+    app.state.count_error = count_error  # also for the refusals of `http.py`'s protocol
     add_http_guards(app, http)
     app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts refusals too
 
     def error_response(request: Request, error: APIError) -> JSONResponse:
         path = request.url.path
-        metrics.errors.labels(path if path in ENDPOINTS else "other", error.type).inc()
+        count_error(path, error.type)
         level = logging.ERROR if error.status >= 500 else logging.INFO
         logger.log(level, "%s %s: %d %s", request.method, path, error.status, error.message)
         headers = {"Retry-After": "1"} if error.status == 503 else None
@@ -263,7 +268,7 @@ def create_app(
         }
         return {"object": "list", "data": [model]}
 
-    @app.get("/health", responses=HEALTH_RESPONSES)
+    @app.api_route("/health", methods=["GET", "HEAD"], responses=HEALTH_RESPONSES)
     async def health() -> JSONResponse:
         if worker.failure is not None:
             return JSONResponse({"status": "failed", "reason": worker.failure}, status_code=503)

@@ -20,7 +20,14 @@ class HTTPSettings:
         after its previous response (then it is disconnected).
       body_timeout_s: Seconds a client has to send a request's body (408).
       keep_alive_s: Seconds an idle keep-alive connection stays open.
-      max_connections: Open connections (and running requests) before requests get 503.
+      max_head_bytes: The largest request head (request line and headers; 431).
+      max_headers: The most header lines in a request head (431).
+      write_timeout_s: Seconds a client may take none of a response's bytes while the server
+        waits on it (then it is disconnected and its request cancelled); nginx's
+        `send_timeout` is 60 s.
+      send_buffer_bytes: Each connection's kernel send buffer (SO_SNDBUF; Linux doubles it).
+      max_connections: Open connections (and running requests) before requests get 503
+        (/health and /metrics excepted).
       api_key: If set, /v1/* needs `Authorization: Bearer <api_key>` (401).
       docs: Serve the /docs and /redoc pages.
       allowed_hosts: Host names (no port) a request's Host header may name; empty: any.
@@ -34,6 +41,10 @@ class HTTPSettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
+    max_head_bytes: int = 16 << 10
+    max_headers: int = 100
+    write_timeout_s: float = 60.0
+    send_buffer_bytes: int = 256 << 10
     max_connections: int = 512
     api_key: str | None = None
     docs: bool = True
@@ -42,8 +53,18 @@ class HTTPSettings:
     graceful_timeout_s: float = 120.0
 
     def __post_init__(self):
-        positive = (self.max_body_bytes, self.header_timeout_s, self.body_timeout_s)
-        if min(positive) <= 0 or self.keep_alive_s <= 0 or self.max_connections < 1:
+        positive = (
+            self.max_body_bytes,
+            self.header_timeout_s,
+            self.body_timeout_s,
+            self.keep_alive_s,
+            self.max_head_bytes,
+            self.max_headers,
+            self.write_timeout_s,
+            self.send_buffer_bytes,
+            self.max_connections,
+        )
+        if min(positive) <= 0:
             raise ValueError(f"limits and timeouts must be positive: {self}")
         if self.drain_s < 0 or self.graceful_timeout_s < 0:
             raise ValueError("drain_s and graceful_timeout_s must be >= 0")
