@@ -42,6 +42,7 @@ MAX_QUEUE = 64  # the per-request prompt limit too
 PROMPT = "hello the world"
 WRITE_TIMEOUT_S = 1.0
 WAIT_S = 60.0
+JSON = {"Content-Type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,10 @@ def request_on_socket(port: int, body: dict, path: str = "/v1/completions") -> s
     )
     sock.sendall(head.encode() + data)
     return sock
+
+
+def post(live: Live, body: dict) -> httpx.Response:
+    return httpx.post(f"{live.url}/v1/completions", json=body, timeout=WAIT_S)
 
 
 def read_response(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -275,8 +280,67 @@ def test_the_connection_limit_answers_in_json_and_health_still_answers(engine):
         )
 
 
-# -- 7: load balancers probe with HEAD ----------------------------------------------------------
+# -- 7: the smaller ones -----------------------------------------------------------------------
+def test_a_token_id_outside_the_vocabulary_names_the_prompt(live):
+    """Was: 400 with param null."""
+    error = assert_error(post(live, {"prompt": [1, 10**9], "max_tokens": 1}), 400, "prompt")
+    assert error["code"] == "invalid_token_id"
+    long = {"prompt": PROMPT, "max_tokens": 10 * MAX_LENGTH}
+    assert assert_error(post(live, long), 400, "max_tokens")["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+        ),
+    ],
+)
+def test_tool_choice_and_continuous_usage_are_refused_like_tools(live, extra, param):
+    """Was: ignored silently while `tools` was refused."""
+    assert_error(post(live, {"prompt": PROMPT, "max_tokens": 1} | extra), 400, param)
+    no_op = {"prompt": PROMPT, "max_tokens": 1, "tool_choice": "none"}
+    assert post(live, no_op).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "headers, body, status, code",
+    [
+        ({"Content-Type": "text/plain"}, b'{"prompt": "a"}', 415, "unsupported_media_type"),
+        (
+            JSON | {"Content-Encoding": "gzip"},
+            b"\x1f\x8b\x08\x00",
+            415,
+            "unsupported_media_type",
+        ),
+        (JSON, b'{"prompt": "\xff\xfe"}', 400, "invalid_json"),
+        (JSON, b"[" * 100_000, 400, "invalid_json"),
+        (
+            {"Content-Type": "application/json"},
+            b'{"seed": ' + b"9" * 5000 + b"}",
+            400,
+            "invalid_json",
+        ),
+    ],
+    ids=["text-plain", "gzip", "invalid-utf8", "deep-nesting", "5000-digits"],
+)
+def test_bodies_that_are_not_plain_json_get_a_clear_code(live, headers, body, status, code):
+    """Was: a wrong Content-Type came back as `model_attributes_type` quoting the body's
+    bytes, undecodable bodies with `code: null`."""
+    response = httpx.post(
+        f"{live.url}/v1/completions", content=body, headers=headers, timeout=WAIT_S
+    )
+    error = assert_error(response, status)
+    assert error["code"] == code
+    assert "b'" not in error["message"]
+
+
 def test_head_health_answers_like_get(live):
+    """Was: 405 (load balancers probe with HEAD)."""
     response = httpx.head(f"{live.url}/health")
     assert response.status_code == 200 and response.content == b""
 

@@ -17,7 +17,7 @@ programs with a short warm-up generation, then listens. SIGTERM or Ctrl-C: for
 --drain-seconds /health and new requests get 503 while the listener stays open, then it
 closes; queued and running requests finish, those still running --graceful-timeout seconds
 after the signal end with a 503 (an error event in a stream); the process exits 0. A second
-signal closes the listener at once.
+signal closes the listener at once (the drain goes on); a third exits at once.
 
 Operator settings (`equarx_serve/server/http.py`), with safe defaults: a request body limit,
 deadlines for a request's head and body, idle keep-alive timeout, a connection limit, an

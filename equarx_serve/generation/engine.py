@@ -59,7 +59,7 @@ from equarx_serve.generation.runner import (
 from equarx_serve.generation.sampling import SamplingBatch, SamplingParams
 from equarx_serve.generation.steps import DecodeStep, PrefillStep, ReleaseStep, Step
 
-__all__ = ["Runner", "StepEngine", "StepRecord", "check_request"]
+__all__ = ["RequestError", "Runner", "StepEngine", "StepRecord", "check_request"]
 
 logger = logging.getLogger("equarx_serve.generation")
 
@@ -84,23 +84,37 @@ class StepRecord:
     program: CompiledPrefill | CompiledDecode | None
 
 
+class RequestError(ValueError):
+    """Why a request cannot run; `field` names the part of the request at fault ("prompt",
+    "max_tokens", "params") and `code` the kind, where it has one (the server answers both)."""
+
+    def __init__(self, message: str, field: str, code: str | None = None):
+        super().__init__(message)
+        self.field = field
+        self.code = code
+
+
 def check_request(
     prompt: Sequence[int], params: SamplingParams, *, vocab_size: int, max_context: int
 ) -> None:
-    """ValueError if a request cannot run: params that are not SamplingParams, an empty
-    prompt, ids outside the vocabulary, or a prompt + max_tokens longer than max_context."""
+    """RequestError (a ValueError) if a request cannot run: params that are not
+    SamplingParams, an empty prompt, ids outside the vocabulary, or a prompt + max_tokens
+    longer than max_context."""
     if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        raise RequestError(f"params must be SamplingParams, got {type(params).__name__}", "params")
     if len(prompt) == 0:
-        raise ValueError("empty prompt: every prompt needs at least one token")
+        raise RequestError("empty prompt: every prompt needs at least one token", "prompt")
     bad = [t for t in prompt if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
     if bad:
-        raise ValueError(f"prompt token ids must be ints in [0, {vocab_size}): got {bad[:5]}")
+        message = f"prompt token ids must be ints in [0, {vocab_size}): got {bad[:5]}"
+        raise RequestError(message, "prompt", "invalid_token_id")
     total = len(prompt) + params.max_tokens
     if total > max_context:
-        raise ValueError(
+        raise RequestError(
             f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} = {total} is "
-            f"longer than the model's maximum context of {max_context} tokens"
+            f"longer than the model's maximum context of {max_context} tokens",
+            "max_tokens",
+            "context_length_exceeded",
         )
 
 

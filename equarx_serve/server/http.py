@@ -1,7 +1,8 @@
 """What an operator sets around the HTTP server, with safe defaults (`HTTPSettings`).
 
 - A request body limit (413) and a deadline for receiving the body (408), both checked before
-  the body is parsed.
+  the body is parsed; an API body must be uncompressed JSON (415 otherwise, 400
+  `invalid_json` for one that does not decode).
 - A request head limit (`max_head_bytes`, `max_headers`: 431 in JSON, then the connection
   closes), counted as the bytes arrive whatever the pieces they come in (h11's own limit only
   bounds a head that arrives in pieces), and a deadline for each request head (the request
@@ -160,6 +161,9 @@ class _BoundedBody:
             await _error(408, message, "request_timeout")(scope, receive, send)
             return
         body = b"".join(chunks)
+        if (refusal := _json_body_problem(scope, body)) is not None:
+            await refusal(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> dict:
@@ -174,6 +178,30 @@ class _BoundedBody:
     async def _too_large(self, scope: dict, receive: Any, send: Any) -> None:
         message = f"the request body is larger than this server's limit of {self.limit} bytes"
         await _error(413, message, "request_too_large")(scope, receive, send)
+
+
+def _json_body_problem(scope: dict, body: bytes) -> JSONResponse | None:
+    """For the API's POSTs (/v1/*): a 415 for a body that is not plain JSON by its headers
+    (FastAPI would report such a body as a wrong type, quoting its bytes), a 400
+    `invalid_json` for one that does not decode (invalid UTF-8, deep nesting, an integer of
+    thousands of digits: errors FastAPI answers with no code)."""
+    if not scope["path"].startswith("/v1/"):
+        return None
+    encoding = (_header(scope, b"content-encoding") or "identity").strip().lower()
+    if encoding != "identity":
+        message = f"Content-Encoding {encoding!r} is not supported: send the body uncompressed"
+        return _error(415, message, "unsupported_media_type")
+    content_type = _header(scope, b"content-type")
+    media_type = (content_type or "application/json").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        message = f"Content-Type must be application/json, got {content_type!r}"
+        return _error(415, message, "unsupported_media_type")
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        return _error(400, f"the body is not valid JSON: {detail}", "invalid_json")
+    return None
 
 
 def add_http_guards(app: Any, settings: HTTPSettings) -> None:

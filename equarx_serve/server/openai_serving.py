@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from equarx_serve.generation.engine import RequestError
 from equarx_serve.generation.events import (
     Completion,
     ErrorEvent,
@@ -293,8 +294,8 @@ class OpenAIServing:
     ) -> Job:
         try:
             self.worker.engine.check(prompt, params)
-        except ValueError as e:
-            raise bad_request(str(e)) from None
+        except RequestError as e:
+            raise bad_request(str(e), e.field, e.code) from None
         job = Job(
             request_id=request_id,
             prompt=prompt,

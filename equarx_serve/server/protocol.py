@@ -75,6 +75,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "tools": (None, []),
+    # With no tools there is nothing to choose: "required" or a named function is refused.
+    "tool_choice": (None, "none", "auto"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
 }
@@ -85,6 +87,8 @@ MAX_STOP_SEQUENCES = 4  # as OpenAI
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    # vLLM's extension (usage in every chunk): refused rather than ignored.
+    continuous_usage_stats: Literal[False] = False
 
 
 class SamplingBody(_Strict):
