@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -124,6 +125,22 @@ def _warm_up(worker: EngineWorker, tokenizer: Any) -> None:
         engine.step()
 
 
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """What the lifespan, the error handlers and the routes of one app share: built once, by
+    `_build_parts`, so that each of them reads as its own step of `create_app`."""
+
+    generator: Generator
+    model_name: str
+    worker: EngineWorker
+    metrics: ServerMetrics
+    serving: OpenAIServing
+    limits: ServingLimits
+    max_batch: int
+    max_queue: int
+    processes: int
+
+
 def create_app(
     generator: Generator,
     *,
@@ -152,10 +169,50 @@ def create_app(
       http: The body limit and deadline, API key, /docs switch, Host allow-list, drain
         window (connection limits and timeouts: `http.uvicorn_config`).
     """
+    parts = _build_parts(
+        generator,
+        model_name=model_name,
+        max_queue=max_queue,
+        max_prompt_tokens=max_prompt_tokens,
+        max_batch=max_batch or generator.max_batch,
+        batch_window_s=batch_window_s,
+        default_max_tokens=default_max_tokens,
+        on_failure=on_failure,
+    )
+    docs = {} if http.docs else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="equarx-serve", lifespan=_lifespan(parts, warmup=warmup), **docs)
+    app.state.worker, app.state.metrics, app.state.generator = (
+        parts.worker,
+        parts.metrics,
+        generator,
+    )
+    app.state.http = http
+    count_error = _error_counter(parts.metrics)
+    app.state.count_error = count_error  # also for the refusals of `http.py`'s protocol
+    add_http_guards(app, http)
+    app.add_middleware(_CountRequests, metrics=parts.metrics)  # outermost: counts refusals too
+    _add_error_handlers(app, count_error)
+    _add_generation_routes(app, parts.serving)
+    _add_info_routes(app, parts)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _build_parts(
+    generator: Generator,
+    *,
+    model_name: str,
+    max_queue: int,
+    max_prompt_tokens: int | None,
+    max_batch: int,
+    batch_window_s: float,
+    default_max_tokens: int,
+    on_failure: Callable[[str], None],
+) -> _Parts:
+    """The metrics, the worker (on an engine of its own, reporting to the metrics), the
+    limits a request is checked against and the OpenAI serving layer over them."""
     engine = generator.engine
-    tokenizer = generator.tokenizer
     context = generator.max_context
-    max_batch = max_batch or generator.max_batch
     usage = generator.all_reduce_usage(max_batch, min(USAGE_PROMPT_TOKENS, context))
     processes = len({device.process_index for device in engine.mesh.devices.flat})
     metrics = ServerMetrics(model_name=model_name, engine=engine, usage=usage, processes=processes)
@@ -173,27 +230,39 @@ def create_app(
         default_max_tokens=default_max_tokens,
         max_queue=max_queue,
     )
-    serving = OpenAIServing(worker, metrics, tokenizer, model_name=model_name, limits=limits)
-    created = int(time.time())
+    serving = OpenAIServing(
+        worker, metrics, generator.tokenizer, model_name=model_name, limits=limits
+    )
+    return _Parts(
+        generator, model_name, worker, metrics, serving, limits, max_batch, max_queue, processes
+    )
+
+
+def _lifespan(
+    parts: _Parts, *, warmup: bool
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Start-up and shutdown: the optional warm-up, the worker's thread started and its
+    settings logged once; on shutdown the worker stopped (off the event loop: it joins)."""
+    worker, engine, limits = parts.worker, parts.generator.engine, parts.limits
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if warmup:
             started = time.perf_counter()
-            await asyncio.to_thread(_warm_up, worker, tokenizer)
+            await asyncio.to_thread(_warm_up, worker, parts.generator.tokenizer)
             logger.info("warm-up generation: %.0f ms", 1e3 * (time.perf_counter() - started))
         worker.start()
         logger.info(
             "serving %s: TP=%d over %d process(es), all-reduce %s, max_batch %d, max_queue %d, "
             "max prompt %d tokens, context %d",
-            model_name,
+            parts.model_name,
             engine.tp,
-            processes,
+            parts.processes,
             engine.all_reduce.name,
-            max_batch,
-            max_queue,
+            parts.max_batch,
+            parts.max_queue,
             limits.max_prompt,
-            context,
+            limits.context,
         )
         try:
             yield
@@ -201,17 +270,24 @@ def create_app(
             await asyncio.to_thread(worker.stop)
             logger.info("worker stopped after %d steps", worker.steps)
 
-    docs = {} if http.docs else {"docs_url": None, "redoc_url": None}
-    app = FastAPI(title="equarx-serve", lifespan=lifespan, **docs)
-    app.state.worker, app.state.metrics, app.state.generator = worker, metrics, generator
-    app.state.http = http
+    return lifespan
+
+
+def _error_counter(metrics: ServerMetrics) -> Callable[[str, str], None]:
+    """count_error(path, kind): equarx_request_errors by endpoint ("other" for unknown
+    paths, so that a client cannot grow the label set) and error type."""
 
     def count_error(path: str, kind: str) -> None:
         metrics.errors.labels(path if path in ENDPOINTS else "other", kind).inc()
 
-    app.state.count_error = count_error  # also for the refusals of `http.py`'s protocol
-    add_http_guards(app, http)
-    app.add_middleware(_CountRequests, metrics=metrics)  # outermost: counts refusals too
+    return count_error
+
+
+def _add_error_handlers(app: FastAPI, count_error: Callable[[str, str], None]) -> None:
+    """Every error as OpenAI's error JSON, counted and logged in one place
+    (`error_response`): our APIError, FastAPI's validation errors (400, not its 422),
+    Starlette's 404 / 405, and anything unexpected (500 with a reference into the log,
+    never the cause)."""
 
     def error_response(request: Request, error: APIError) -> JSONResponse:
         path = request.url.path
@@ -247,6 +323,10 @@ def create_app(
         internal = APIError(500, message, type="server_error")
         return error_response(request, internal)
 
+
+def _add_generation_routes(app: FastAPI, serving: OpenAIServing) -> None:
+    """The OpenAI endpoints; `openai_serving.py` holds their logic, these only route."""
+
     @app.post(COMPLETIONS.path, responses=GENERATION_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:
         return await serving.completions(body, request)
@@ -255,14 +335,22 @@ def create_app(
     async def chat_completions(body: ChatBody, request: Request) -> Response:
         return await serving.chat_completions(body, request)
 
+
+def _add_info_routes(app: FastAPI, parts: _Parts) -> None:
+    """What an operator or a client asks about the server: /v1/models (the model, its
+    context, TP and all-reduce), /health (503 while failed, draining or not yet running) and
+    /metrics (Prometheus text)."""
+    worker, metrics, engine = parts.worker, parts.metrics, parts.generator.engine
+    created = int(time.time())
+
     @app.get("/v1/models", responses=_errors(401, 500))
     async def models() -> dict[str, Any]:
         model = {
-            "id": model_name,
+            "id": parts.model_name,
             "object": "model",
             "created": created,
             "owned_by": "equarx-serve",
-            "max_model_len": context,
+            "max_model_len": parts.limits.context,
             "tp": engine.tp,
             "all_reduce": engine.all_reduce.name,
         }
@@ -281,9 +369,6 @@ def create_app(
     @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics_endpoint() -> Response:
         return Response(metrics.render(), media_type=PROMETHEUS_TEXT)
-
-    app.openapi = lambda: _openapi(app)
-    return app
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
