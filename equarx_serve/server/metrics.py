@@ -28,11 +28,15 @@ class ServerMetrics:
     """The server's metrics; `render()` is the /metrics body."""
 
     def __init__(self, *, model_name: str, engine: Any, usage: AllReduceUsage, processes: int = 1):
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._declare_request_counters(self.registry)
+        self._declare_latencies(self.registry)
+        self._declare_engine_metrics(self.registry)
+        self._describe_model(self.registry, model_name, engine, usage, processes)
 
-        def histogram(name: str, help: str, buckets=LATENCY_BUCKETS) -> Histogram:
-            return Histogram(name, help, buckets=buckets, registry=r)
-
+    def _declare_request_counters(self, r: CollectorRegistry) -> None:
+        """What happened to requests: by endpoint and status, errors by type, tokens, and how
+        generations finished."""
         self.requests = Counter(
             "equarx_requests",
             "HTTP requests by endpoint and status",
@@ -59,6 +63,13 @@ class ServerMetrics:
             ["finish_reason"],
             registry=r,
         )
+
+    def _declare_latencies(self, r: CollectorRegistry) -> None:
+        """The histograms of a request's life (seconds), its decode speed and batch sizes."""
+
+        def histogram(name: str, help: str, buckets=LATENCY_BUCKETS) -> Histogram:
+            return Histogram(name, help, buckets=buckets, registry=r)
+
         self.prefill_seconds = histogram(
             "equarx_prefill_seconds", "Prefill latency of a request's batch (device time)"
         )
@@ -80,6 +91,9 @@ class ServerMetrics:
         self.batch_size = histogram(
             "equarx_batch_size", "Requests prefilled together in one step", BATCH_BUCKETS
         )
+
+    def _declare_engine_metrics(self, r: CollectorRegistry) -> None:
+        """The queue, the requests in flight, the device steps and their all-reduce bytes."""
         self.queue_depth = Gauge(
             "equarx_queue_depth", "Requests waiting for the engine", registry=r
         )
@@ -102,6 +116,16 @@ class ServerMetrics:
             ["phase"],
             registry=r,
         )
+
+    def _describe_model(
+        self,
+        r: CollectorRegistry,
+        model_name: str,
+        engine: Any,
+        usage: AllReduceUsage,
+        processes: int,
+    ) -> None:
+        """The model, the all-reduce it runs on (and what its messages use), TP and processes."""
         self.model_info = Info(
             "equarx_model", "The model and the all-reduce it runs on", registry=r
         )
