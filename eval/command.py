@@ -45,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"{' '.join(harness.DEFAULT_METHODS)}; the psum reference and the float32 compute "
         "floor always run)",
     )
-    data = parser.add_argument_group("data")
+    _add_data_arguments(parser.add_argument_group("data"))
+    _add_output_arguments(parser.add_argument_group("output"))
+
+
+def _add_data_arguments(data: argparse._ArgumentGroup) -> None:
+    """What is scored: the text, the windows, and the greedy-agreement prompts."""
     text = data.add_mutually_exclusive_group()
     text.add_argument(
         "--corpus",
@@ -96,7 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="tokens generated per prompt (default: %(default)s)",
     )
-    output = parser.add_argument_group("output")
+
+
+def _add_output_arguments(output: argparse._ArgumentGroup) -> None:
+    """Where the results go, and the limits they are checked against."""
     output.add_argument(
         "--json",
         type=Path,
