@@ -63,3 +63,16 @@ def test_one_process_measures_nothing(monkeypatch):
     monkeypatch.setattr(transport, "_measured", transport._UNMEASURED)
     monkeypatch.setattr(transport, "measure", lambda: pytest.fail("measured one process"))
     assert transport.link() is None and not transport.slower_than(2e9)
+
+
+def test_the_bench_divides_each_plain_row_by_the_launchers_same_row():
+    from equarx_serve.bench import allreduce
+
+    def result(join: str, ms: float) -> dict[str, object]:
+        rows = [{"label": "ring", "median_ms": 2 * ms}, {"label": "equarx-int8", "median_ms": ms}]
+        return {"mode": "processes", "n": 2, "size_bytes": 1 << 24, "join": join, "rows": rows}
+
+    launcher, plain = result("launcher", 100.0), result("plain", 104.0)
+    allreduce.add_plain_over_launcher([launcher, plain])
+    assert [row["plain_over_launcher"] for row in plain["rows"]] == [1.04, 1.04]
+    assert all("plain_over_launcher" not in row for row in launcher["rows"])
