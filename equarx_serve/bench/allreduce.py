@@ -35,6 +35,14 @@ rounds, on every process, and prints where each process spent it (`timeline.py`)
 started (from the earliest start on any process), how long its collectives, its kernels (custom
 calls: EQuARX's native quantize/decode) and its other compute ran, how long it ran nothing of
 the call between its first and last operation, and when it finished. The spans go to --json.
+
+`--plain` (processes meshes): every size is measured twice, back to back on the same processes'
+hosts: joined by the project's launcher (`multiprocess.initialize`, which measures the link
+right after joining), then joined as a user's own program would (`jax.distributed.initialize`
+with gloo, nothing else: the first all-reduce traced measures the link). Each run has its own
+table (speed-up against its own baseline); a third table gives every method's median joined
+plainly / joined by the launcher (`plain_over_launcher` on the plain rows of the JSON, whose
+rows carry `join`). Every worker checks that its processes lowered the same programs.
 """
 
 from __future__ import annotations
@@ -103,6 +111,7 @@ class BenchConfig:
     link: Link | None = None  # the processes' meshes on emulated hosts joined by this link
     pre_rotated: bool = False  # also time foldable methods on pre-rotated input (see above)
     timeline: bool = False  # trace one more call of each method on every process (see above)
+    plain: bool = False  # also join every processes mesh as a plain program (see above)
 
 
 PRE_ROTATED_SUFFIX = " [pre-rotated input]"
@@ -148,9 +157,10 @@ def _run_worker(
     methods: list[dict[str, object]],
     config: BenchConfig,
     hosts: Hosts | None,
+    join: str = "launcher",
 ) -> dict[str, object]:
-    """One worker run (N processes, on `hosts` if given, or one process with N devices);
-    the parsed result."""
+    """One worker run (N processes, on `hosts` if given, joined as `join` says, or one process
+    with N devices); the parsed result."""
     from equarx_serve.bench import allreduce_worker
     from equarx_serve.distributed import multiprocess
 
@@ -162,6 +172,7 @@ def _run_worker(
         repeats=config.repeats,
         seed=config.seed,
         with_timeline=config.timeline,
+        join=join,
     )
     if mode == "processes":
         outputs = multiprocess.run_local_processes(
@@ -399,6 +410,7 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
     }
     rows = [
         {"mode": r["mode"], "n": r["n"], "size_bytes": r["size_bytes"], "repeats": r["repeats"]}
+        | {"join": r.get("join", "launcher")}
         | row
         for r in results
         for row in r["rows"]
@@ -407,7 +419,8 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
     link_measurements = [{"mode": mode, "n": n} | m for (mode, n), m in measured.items()]
     # one a worker: each size's processes measure the link when they start
     transport_probes = [
-        {"mode": r["mode"], "n": r["n"], "size_bytes": r["size_bytes"]} | r["transport_probe"]
+        {"mode": r["mode"], "n": r["n"], "size_bytes": r["size_bytes"], "join": r.get("join")}
+        | r["transport_probe"]
         for r in results
         if r.get("transport_probe")
     ]
@@ -421,23 +434,76 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
     path.write_text(json.dumps(document, indent=1) + "\n")
 
 
+def joins(mode: str, config: BenchConfig) -> tuple[str, ...]:
+    """How the worker's processes join on a mesh: the launcher's way, and with --plain also
+    a plain program's (see the module doc)."""
+    return ("launcher", "plain") if config.plain and mode == "processes" else ("launcher",)
+
+
+def add_plain_over_launcher(results: Sequence[dict[str, object]]) -> None:
+    """Sets `plain_over_launcher` (median joined plainly / joined by the launcher, same mesh,
+    size and label) on every plain row."""
+    launcher = {
+        (r["mode"], r["n"], r["size_bytes"], row["label"]): row["median_ms"]
+        for r in results
+        if r["join"] == "launcher"
+        for row in r["rows"]
+    }
+    for r in results:
+        if r["join"] == "plain":
+            for row in r["rows"]:
+                key = (r["mode"], r["n"], r["size_bytes"], row["label"])
+                row["plain_over_launcher"] = row["median_ms"] / launcher[key]
+
+
+def format_plain_table(mode: str, n: int, results: Sequence[dict[str, object]], link) -> str:
+    """Every method's median joined by the launcher and plainly, and their ratio."""
+    header = ["size", "method", "launcher ms", "plain ms", "plain / launcher", "plain speed-up"]
+    lines = [
+        [
+            format_size(r["size_bytes"]),
+            row["label"],
+            f"{row['median_ms'] / row['plain_over_launcher']:.3f}",
+            f"{row['median_ms']:.3f}",
+            f"{row['plain_over_launcher']:.3f}",
+            or_dash(row["speedup"], ".2f", "x"),
+        ]
+        for r in results
+        if r["join"] == "plain"
+        for row in r["rows"]
+    ]
+    title = (
+        f"\n== plain jax.distributed program vs the launcher, {mesh_title(mode, n, link)}: "
+        "medians measured back to back in this run, same hosts and sizes =="
+    )
+    return "\n".join([title, _render(header, lines)])
+
+
 def _measure_mesh(
     mode: str, n: int, methods: list[dict[str, object]], config: BenchConfig, bar
 ) -> list[dict[str, object]]:
     """Every size on one mesh (on emulated hosts when the config has a link, the link measured
-    first); one table printed. RuntimeError etc. when a worker or the cluster fails."""
+    first), each way of joining (`joins`); one table printed for each. RuntimeError etc. when a
+    worker or the cluster fails."""
     link = config.link if mode == "processes" else None
     mesh_results = []
     with links.hosts_for(n, link) as (hosts, measurement):
         for size in config.sizes:
-            bar.set_postfix_str(f"{mode}={n} {format_size(size)}")
-            result = _run_worker(mode, n, size, methods, config, hosts)
-            result["mode"] = mode
-            result["link"] = measurement
-            add_comparisons(result)
-            mesh_results.append(result)
-            bar.update(len(methods))
-    bar.write(format_table(mode, n, mesh_results, link))
+            for join in joins(mode, config):
+                bar.set_postfix_str(f"{mode}={n} {format_size(size)} {join}")
+                result = _run_worker(mode, n, size, methods, config, hosts, join)
+                result["mode"] = mode
+                result["join"] = join
+                result["link"] = measurement
+                add_comparisons(result)
+                mesh_results.append(result)
+                bar.update(len(methods))
+    for join in joins(mode, config):
+        table = format_table(mode, n, [r for r in mesh_results if r["join"] == join], link)
+        bar.write(table if not config.plain else f"{table}\n(joined by: {join})")
+    if config.plain and mode == "processes":
+        add_plain_over_launcher(mesh_results)
+        bar.write(format_plain_table(mode, n, mesh_results, link))
     if config.timeline:
         bar.write(format_timelines(mode, n, mesh_results, link))
     rates = [r["transport_probe"]["bits_per_s"] / 1e9 for r in mesh_results
@@ -474,7 +540,8 @@ def run(config: BenchConfig) -> int:
 
     methods = resolve_methods(config.methods, pre_rotated=config.pre_rotated, sizes=config.sizes)
     results: list[dict[str, object]] = []
-    total = len(config.meshes) * len(config.sizes) * len(methods)
+    total = sum(len(joins(mode, config)) for mode, _ in config.meshes)
+    total *= len(config.sizes) * len(methods)
     with tqdm(total=total, unit="method", desc="all-reduce bench") as bar:
         for mode, n in config.meshes:
             try:
@@ -548,6 +615,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(--processes only) and print where its time went: collectives, kernels, other "
         "compute, idle (see bench/timeline.py); the spans go to --json",
     )
+    parser.add_argument(
+        "--plain",
+        action="store_true",
+        help="(--processes) also join every size's processes as a user's own program would "
+        "(plain jax.distributed.initialize, no explicit link measurement), back to back with "
+        "the launcher's, and print plain / launcher per method",
+    )
     links.add_arguments(parser, argument_type)
 
 
@@ -571,4 +645,5 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         link=link,
         pre_rotated=args.pre_rotated,
         timeline=args.timeline,
+        plain=args.plain,
     )

@@ -8,6 +8,13 @@ Started by `equarx-serve bench allreduce` (see `allreduce.py`), one run per (N, 
 `--devices N`: one process, N host CPU devices (`jax_num_cpu_devices`). Without it, one CPU
 device per process, joined by `jax.distributed` over gloo (`--coordinator`, `--num-processes`,
 `--process-id`; see `equarx_serve.distributed.multiprocess`). The mesh is 1-D, axis "x".
+`--join plain`: the processes join as a user's own program would, with gloo and
+`jax.distributed.initialize` and nothing else (no `multiprocess.initialize`, no explicit link
+measurement: the first all-reduce traced measures it, see `collectives.transport`).
+
+Every process lowers the same programs, or the run would hang: each method's lowered text is
+hashed on every process, and a run whose processes lowered different text fails (all of them
+raise), naming the methods; the row keeps the hash (`program_sha256`).
 
 Input: a [N, L] bf16 array sharded over "x", L = size / 2 bytes, LLM-activation-like and
 different on every device (`activations`). Reference: the same sum in f32 with an f32 output
@@ -59,6 +66,7 @@ from equarx_serve.distributed import multiprocess
 MODULE = "equarx_serve.bench.allreduce_worker"
 RESULT_MARKER = "EQUARX_BENCH_RESULT"
 AXIS = "x"
+JOINS = ("launcher", "plain")  # --join: how several processes join (see the module doc)
 
 CHANNELS = 1024  # activations are rows of this many channels
 NUM_OUTLIER_CHANNELS = 8
@@ -125,9 +133,27 @@ def time_side_by_side(
     return repeats, stats
 
 
-def _compile(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Compiled:
+def _lower(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Lowered:
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS))
-    return jax.jit(mapped).lower(x).compile()
+    return jax.jit(mapped).lower(x)
+
+
+def _compile(fn: Callable, mesh: Mesh, x: jax.Array) -> jax.stages.Compiled:
+    return _lower(fn, mesh, x).compile()
+
+
+def same_program_everywhere(label: str, lowered_text: str) -> str:
+    """The SHA-256 of `lowered_text`, checked equal on every process (collective): processes
+    whose programs differ would wait on each other's collectives forever. RuntimeError on every
+    process where they differ."""
+    digest = hashlib.sha256(lowered_text.encode()).digest()
+    digests = gather_processes(np.frombuffer(digest, np.uint8))
+    if not (digests == digests[0]).all():
+        different = [p for p in range(len(digests)) if (digests[p] != digests[0]).any()]
+        raise RuntimeError(
+            f"{label}: process(es) {different} lowered a different program than process 0"
+        )
+    return digest.hex()
 
 
 def gather_processes(local: np.ndarray) -> np.ndarray:
@@ -170,6 +196,7 @@ def measure(
     seed: int,
     *,
     with_timeline: bool = False,
+    join: str = "launcher",
 ) -> dict[str, object]:
     """Times and checks every method (dicts of label, name, options) at one size; see module doc.
     `with_timeline` (one device a process): then traces one more call of each (`timeline`)."""
@@ -204,7 +231,9 @@ def measure(
             inputs = _compile(lambda b, r=ar.foldable_rotation: r.apply(b[0])[None], mesh, x)(x)
             ar = ar.with_rotated_input()
             expected = _compile(lambda b, ar=ar: ar.exact_sum(b[0], AXIS)[None], mesh, x)(inputs)
-        program = _compile(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, inputs)
+        lowered = _lower(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, inputs)
+        program_sha256 = same_program_everywhere(label, lowered.as_text())
+        program = lowered.compile()
         programs[label] = (program, inputs)
         hlo_bytes = collective_wire_bytes(program.as_text(), n)
         rows[label] = {
@@ -219,6 +248,7 @@ def measure(
             "slices": _slices(ar, num_elements, n),
             "gather_piece_bytes": _gather_piece_bytes(ar, n),
             "send_pieces": _sends_in_pieces(ar, n),
+            "program_sha256": program_sha256,
             **_errors(program(inputs), expected),
         }
 
@@ -241,6 +271,7 @@ def measure(
     return {
         "n": n,
         "num_processes": jax.process_count(),
+        "join": join,
         "size_bytes": size_bytes,
         "repeats": repeats,
         "transport_probe": None if (probe := transport.link()) is None else vars(probe),
@@ -315,10 +346,11 @@ def command(
     repeats: int | None,
     seed: int,
     with_timeline: bool = False,
+    join: str = "launcher",
 ) -> list[str]:
     """The command line that runs this module (process flags are added by the launcher)."""
     args = ["--size-bytes", str(size_bytes), "--methods", json.dumps(list(methods))]
-    args += ["--seed", str(seed)]
+    args += ["--seed", str(seed), "--join", join]
     if with_timeline:
         args.append("--timeline")
     if devices is not None:
@@ -336,6 +368,12 @@ def parse_result(stdout: str) -> dict[str, object]:
     raise RuntimeError(f"no {RESULT_MARKER} line in the worker's output:\n{stdout[-2000:]}")
 
 
+def join_plainly(coordinator: str, num_processes: int, process_id: int) -> None:
+    """What a user's own CPU program does to join (docs/own-program.md), and nothing else."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-bytes", type=int, required=True, help="message bytes per device")
@@ -344,19 +382,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, help="timed rounds (default: adaptive)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeline", action="store_true", help="trace one more call of each")
+    parser.add_argument(
+        "--join",
+        choices=JOINS,
+        default="launcher",
+        help="how several processes join: the project's launcher, or a plain user's program",
+    )
     multiprocess.add_process_flags(parser)
     args = parser.parse_args(argv)
 
     jax.config.update("jax_platforms", "cpu")
     if args.devices is not None:
         jax.config.update("jax_num_cpu_devices", args.devices)
+    elif args.num_processes > 1 and args.join == "plain":
+        join_plainly(args.coordinator, args.num_processes, args.process_id)
     elif args.num_processes > 1:
         multiprocess.initialize(args.coordinator, args.num_processes, args.process_id)
     expected = args.devices if args.devices is not None else args.num_processes
     if jax.device_count() != expected:
         raise RuntimeError(f"expected {expected} devices, JAX has {jax.device_count()}")
     result = measure(
-        args.methods, args.size_bytes, args.repeats, args.seed, with_timeline=args.timeline
+        args.methods,
+        args.size_bytes,
+        args.repeats,
+        args.seed,
+        with_timeline=args.timeline,
+        join=args.join,
     )
     if jax.process_index() == 0:
         print(RESULT_MARKER, json.dumps(result), flush=True)

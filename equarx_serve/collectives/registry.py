@@ -101,6 +101,12 @@ def get_all_reduce(name: str | MethodSpec | AllReduce, **options: object) -> All
 
     An `AllReduce` instance passes through unchanged (options must then be empty).
     Raises ValueError for an unknown name or option, listing what is valid.
+
+    In a run of several processes (`jax.distributed.initialize`), the defaults that depend on
+    the link (`slice_bytes="auto"`, two-shot's pieces) go by the link `transport` measured:
+    without a `measure_link()` or `assume_link(...)` before, the first all-reduce traced
+    measures it there (collective: every process traces the same program, so all reach it at
+    the same point). One process (fake CPU devices, one host): no link, no slicing.
     """
     _load_builtins()
     from equarx_serve.collectives.base import AllReduce

@@ -31,7 +31,8 @@ from equarx_serve.distributed.devices import with_huge_pages
 def initialize(coordinator: str, num_processes: int, process_id: int) -> None:
     """`jax.distributed.initialize`, with gloo for cross-process collectives on CPU; then the
     link between the processes is measured (`collectives.transport`, collective: every process
-    calls this), which the all-reduces' `slice_bytes="auto"` goes by."""
+    calls this), which the all-reduces' `slice_bytes="auto"` goes by. (Without this, a plain
+    `jax.distributed.initialize` program measures it on its first all-reduce's trace.)"""
     if not 0 <= process_id < num_processes:
         raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
