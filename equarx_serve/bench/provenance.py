@@ -71,8 +71,11 @@ def machine() -> dict[str, Any]:
 
 
 def command_line() -> str:
-    """The exact command that ran, as typed (`sys.orig_argv`: `python -m ...` stays `-m`)."""
+    """The command that ran, as typed (`sys.orig_argv`: `python -m ...` keeps its `-m`); an
+    entry-point script (`equarx-serve ...`, run through its shebang) shows as its own name."""
     argv = list(getattr(sys, "orig_argv", sys.argv))
+    if len(argv) > 1 and not argv[1].startswith("-") and Path(argv[1]).is_file():
+        argv = argv[1:]
     if argv:
         argv[0] = Path(argv[0]).name
     return shlex.join(argv)
