@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from equarx_serve.bench import provenance
+
 FLOOR_LABEL = "float32 model (compute floor)"
 
 # (header, key, format) of the summary table, in order.
@@ -96,7 +98,8 @@ def format_table(report: dict[str, Any]) -> str:
 
 def write_json(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    document = {"provenance": provenance.collect()} | report
+    path.write_text(json.dumps(document, indent=2) + "\n")
 
 
 def format_markdown(report: dict[str, Any], plot_path: Path | None = None) -> str:

@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equarx_serve.arguments import UsageError, argument_type, int_at_least
-from equarx_serve.bench import links
+from equarx_serve.bench import links, provenance
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.distributed.cluster import Link
 from equarx_serve.distributed.devices import with_huge_pages
@@ -426,6 +426,7 @@ def write_json(results: Sequence[dict[str, object]], config: BenchConfig, path: 
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     document = {
+        "provenance": provenance.collect(link_measurements[0] if link_measurements else None),
         "settings": settings,
         "link_measurements": link_measurements,
         "transport_probes": transport_probes,

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from equarx_serve.arguments import UsageError, argument_type, int_at_least
+from equarx_serve.bench import provenance
 from equarx_serve.bench.prefill import _seq_len
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.distributed.devices import set_host_device_count
@@ -660,6 +661,7 @@ def write_json(result: Comparison, config: CompareConfig, path: Path) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
     report = {
+        "provenance": provenance.collect(),
         "settings": settings,
         "machine": dataclasses.asdict(result.machine),
         "limits": result.limits,

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from equarx_serve.bench import provenance
+
 AXIS = "tp"
 # The abstract devices lowered for: the kinds the paper and its users run on.
 TARGETS = {
@@ -245,7 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_table(results))
     if args.out is not None:
         rows = [dataclasses.asdict(r) | {"lowered": r.lowered} for r in results]
-        payload = {"benchmark": "lowering", "message_bytes": MESSAGE_BYTES, "results": rows}
+        payload = {
+            "provenance": provenance.collect(),
+            "benchmark": "lowering",
+            "message_bytes": MESSAGE_BYTES,
+            "results": rows,
+        }
         args.out.write_text(json.dumps(payload, indent=1) + "\n")
     return 0 if all(r.lowered for r in results) else 1
 

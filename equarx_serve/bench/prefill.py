@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from equarx_serve.arguments import UsageError, argument_type, int_at_least
-from equarx_serve.bench import links
+from equarx_serve.bench import links, provenance
 from equarx_serve.bench.allreduce import or_dash, percent, resolve_methods
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.distributed.cluster import Link
@@ -390,8 +390,8 @@ def write_json(
         common = {k: r[k] for k in ("seq_len", "bucket", "repeats", "message_bytes")}
         rows += [common | row for row in r["rows"]]
         runs.append({k: v for k, v in r.items() if k not in ("rows", "model_info")})
-    document = {"settings": settings, "link_measurement": first.get("link"), "rows": rows,
-                "runs": runs}  # fmt: skip
+    document = {"provenance": provenance.collect(first.get("link")), "settings": settings,
+                "link_measurement": first.get("link"), "rows": rows, "runs": runs}  # fmt: skip
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(document, indent=1) + "\n")
 

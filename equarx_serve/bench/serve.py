@@ -43,6 +43,7 @@ from pathlib import Path
 
 import httpx
 
+from equarx_serve.bench import provenance
 from equarx_serve.distributed.multiprocess import free_port
 
 START_TIMEOUT_S = 900.0
@@ -325,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = run(args)
     print(format_summary(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        document = {"provenance": provenance.collect(result.get("link"))} | result
+        args.json.write_text(json.dumps(document, indent=1) + "\n")
     return 0
 
 

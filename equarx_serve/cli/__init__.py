@@ -14,6 +14,7 @@
                           [--top-p P] [--seed S] [--stop STR] [--json]
     equarx-serve eval [--model NAME] [--tp N] [--methods ...] [--text PATH] [--seq-len L]
                       [--num-seqs K] [--json PATH] [--report PATH] [--check THRESHOLDS]
+    equarx-serve report [RESULTS] [--update FILE ... | --check FILE ...]
     equarx-serve serve [--host H] [--port P] [--model NAME] [--tp N] [--all-reduce METHOD]
                        [--max-batch B] [--max-queue Q] [--max-prompt-tokens N]
 
@@ -29,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 
 from equarx_serve.arguments import UsageError
-from equarx_serve.bench import allreduce, compare, prefill
+from equarx_serve.bench import allreduce, compare, prefill, report
 from equarx_serve.cli import demo, generate, serve
 from eval import command as eval_command
 
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_command(
         commands, "generate", "generate text (streamed) with the tensor-parallel model, with "
         "timings", generate, generate.add_arguments, generate.run,
+    )  # fmt: skip
+    _add_command(
+        commands, "report", "the docs' tables from a folder of results JSON; --update or "
+        "--check the generated blocks in Markdown files", report, report.add_arguments, report.run,
     )  # fmt: skip
     _add_command(
         commands, "serve", "OpenAI-compatible HTTP server (completions, chat, streaming, "

@@ -1,0 +1,118 @@
+"""`equarx-serve report` on recorded results (tests/data/report/: JSON the benchmarks wrote, and
+one eval JSON from before runs recorded provenance): the tables render with their source and
+provenance, ratios are computed from the rows of one run, a JSON without provenance says so,
+and --update / --check rewrite and police the generated blocks of a Markdown file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from equarx_serve import cli
+from equarx_serve.bench import report
+
+DATA = Path(__file__).parent / "data" / "report"
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    """A docs/ folder with the recorded results in docs/results/."""
+    folder = tmp_path / "docs" / "results"
+    shutil.copytree(DATA, folder)
+    return folder
+
+
+def _rows(name: str) -> list[dict]:
+    return json.loads((DATA / f"{name}.json").read_text())["rows"]
+
+
+def test_every_recorded_result_has_a_kind():
+    kinds = {s.name: report.kind_of(s.document) for s in report.load(DATA).values()}
+    assert kinds == {
+        "allreduce-n2-1gbit": "allreduce",
+        "eval-tp2-no-provenance": "eval",
+        "lowering": "lowering",
+        "prefill-tp2-300mbit": "prefill",
+    }
+
+
+def test_allreduce_table_has_the_speedup_over_the_ring_from_the_same_run():
+    rows = _rows("allreduce-n2-1gbit")
+    size = max(r["size_bytes"] for r in rows)
+    by_label = {r["label"]: r for r in rows if r["size_bytes"] == size}
+    expected = by_label["ring"]["median_ms"] / by_label["equarx-int8"]["median_ms"]
+    table = report.allreduce_table(json.loads((DATA / "allreduce-n2-1gbit.json").read_text()))
+    cells = next(r for r in table.rows if r[1] == f"{size / 2**20:g}" and r[2] == "equarx-int8")
+    assert cells[4] == f"{expected:.2f}x"
+
+
+def test_provenance_names_source_commit_machine_link_and_command():
+    source = report.load(DATA)["allreduce-n2-1gbit"]
+    p = source.document["provenance"]
+    line = report.provenance_line(source, DATA)
+    assert "[`allreduce-n2-1gbit.json`](allreduce-n2-1gbit.json)" in line
+    assert p["commit"][:10] in line and p["date"] in line and p["command"] in line
+    assert "link measured: " in line and p["machine"]["cpu"] in line
+
+
+def test_a_result_without_provenance_says_so():
+    source = report.load(DATA)["eval-tp2-no-provenance"]
+    text = report.render_source(source, DATA)
+    assert "no provenance recorded" in text
+    assert "commit" not in text and "date" not in text
+
+
+def test_headline_reads_every_result_and_links_to_how_it_was_measured(results: Path):
+    readme = results.parent.parent / "README.md"
+    text = report.render_block("headline", report.load(results), readme)
+    assert "over the 16-bit ring" in text and "of the link" in text
+    assert "(docs/benchmarks.md#all-reduce)" in text and "(docs/benchmarks.md#prefill)" in text
+    assert "(docs/results/prefill-tp2-300mbit.json)" in text
+
+
+def _markdown(path: Path) -> Path:
+    path.write_text(
+        "# Results\n\n<!-- report:allreduce-n2-1gbit -->\nold\n<!-- /report:allreduce-n2-1gbit -->"
+        "\n\ntext kept\n\n<!-- report:lowering -->\n<!-- /report:lowering -->\n"
+    )
+    return path
+
+
+def test_update_writes_the_blocks_and_check_then_passes(results: Path, capsys):
+    page = _markdown(results.parent / "benchmarks.md")
+    assert cli.main(["report", str(results), "--check", str(page)]) == 1
+    assert cli.main(["report", str(results), "--update", str(page)]) == 0
+    text = page.read_text()
+    assert "old" not in text and "text kept" in text
+    assert "[`lowering.json`](results/lowering.json)" in text
+    assert "| processes N=2 | 64 | equarx-int8 |" in text
+    assert cli.main(["report", str(results), "--check", str(page)]) == 0
+    assert f"stale: {page}" in capsys.readouterr().out
+
+
+def test_check_fails_when_a_result_changed_after_the_update(results: Path):
+    page = _markdown(results.parent / "benchmarks.md")
+    assert cli.main(["report", str(results), "--update", str(page)]) == 0
+    path = results / "allreduce-n2-1gbit.json"
+    document = json.loads(path.read_text())
+    document["rows"][0]["median_ms"] *= 2
+    path.write_text(json.dumps(document))
+    assert cli.main(["report", str(results), "--check", str(page)]) == 1
+
+
+def test_a_block_naming_no_result_is_a_usage_error(results: Path):
+    page = results.parent / "page.md"
+    page.write_text("<!-- report:missing -->\n<!-- /report:missing -->\n")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", str(results), "--check", str(page)])
+    assert exit_info.value.code == 2
+
+
+def test_report_prints_every_table(results: Path, capsys):
+    assert cli.main(["report", str(results)]) == 0
+    out = capsys.readouterr().out
+    for name in ("allreduce-n2-1gbit", "eval-tp2-no-provenance", "lowering", "prefill-tp2-300mbit"):
+        assert f"## {name}" in out
