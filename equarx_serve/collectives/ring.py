@@ -76,18 +76,18 @@ MAX_SLICES = 256  # slice_bytes never cuts a message into more lanes (program si
 # A pairwise swap (the shift by N / 2, where devices i and i + N / 2 send each other a chunk over
 # one gloo connection) sent as one message crossed 4 emulated hosts' 1 Gbit/s links at about half
 # the link's rate; sent in pieces of at most this many bytes, each its own collective, near the
-# link's rate (README, "The comm-bound regime", stage 12; two runs each way, 16 / 64 MiB: `ring`
-# 240-244 / 965-1007 ms vs 270-293 / 1050-1109 ms, `equarx-int8` 146-150 / 596-600 ms vs
+# link's rate (docs/decisions.md, "two-shot's pairwise swap in pieces"; two runs each way, 16 / 64
+# MiB: `ring` 240-244 / 965-1007 ms vs 270-293 / 1050-1109 ms, `equarx-int8` 146-150 / 596-600 ms vs
 # 161-162 / 689-714 ms).
 SWAP_PIECE_BYTES = 512 * 1024
-# Where the link is slow (`EquarxInt8.gather_piece_bytes`), two-shot's reduce, all-gather and
-# decode go in pieces of a lane's rows of at most this many payload bytes each (and where it is
-# slower still, `EquarxInt8.sends_in_pieces`, its encode and reduce-scatter too:
-# `_native_two_shot_all_reduce`), so that a piece's decode runs while the next piece is on the
-# wire. 4 emulated hosts, 1 Gbit/s, `equarx-int8`, two runs each (README, stage 14): pieces of
-# 256 KiB / 512 KiB / 1 MiB / 2 MiB 131-134 / 138-139 / 131-139 / 134-138 ms at 16 MiB and
-# 542-559 / 534-535 / 548 / 547-550 ms at 64 MiB, within this machine's spread of one another;
-# in one piece 137-142 and 579-601 ms.
+# Where the link is slow (`EquarxInt8.gather_piece_bytes`), two-shot's reduce, all-gather and decode
+# go in pieces of a lane's rows of at most this many payload bytes each (and where it is slower
+# still, `EquarxInt8.sends_in_pieces`, its encode and reduce-scatter too:
+# `_native_two_shot_all_reduce`), so that a piece's decode runs while the next piece is on the wire.
+# 4 emulated hosts, 1 Gbit/s, `equarx-int8`, two runs each (docs/decisions.md, "the all-gather in
+# pieces"): pieces of 256 KiB / 512 KiB / 1 MiB / 2 MiB 131-134 / 138-139 / 131-139 / 134-138 ms at
+# 16 MiB and 542-559 / 534-535 / 548 / 547-550 ms at 64 MiB, within this machine's spread of one
+# another; in one piece 137-142 and 579-601 ms.
 GATHER_PIECE_BYTES = 512 * 1024
 
 
@@ -275,14 +275,10 @@ def pipelined_all_reduce(
     replaces `prepare` and the codec in the reduce-scatter by its kernels (the payloads travel
     as their bytes). With both, `_native_two_shot_all_reduce` runs it.
     """
-    num_dirs, num_slices, n = lanes.shape[:3]
-    index = lax.axis_index(axis_name)
-    keys = [(d, s) for d in range(num_dirs) for s in range(num_slices)]
-    direction = {(d, s): 1 if d == 0 else -1 for d, s in keys}
+    keys = _LaneKeys.of(lanes, axis_name)
     prepare = prepare or (lambda lane: lane)
     decode = decode or (lambda payload: codec.decode(payload, jnp.float32))
     finish = finish or (lambda lane: lane.astype(out_dtype))
-
     if schedule == "one-shot":
         return _one_shot_all_reduce(
             lanes,
@@ -297,76 +293,144 @@ def pipelined_all_reduce(
             raise ValueError(f"{name} is for the two-shot schedule, not {schedule!r}")
     if native is not None and decode_gathered is not None:
         return _native_two_shot_all_reduce(lanes, axis_name, native, decode_gathered)
-    # Reduce-scatter: `payload[key]` ends up as this device's reduced chunk, `owned[key]`.
-    payload: dict[tuple[int, int], Payload] = {}
-    owned: dict[tuple[int, int], jax.Array] = {}
-    if native is None:
-        values = {key: prepare(lanes[key]) for key in keys}
+    values = None if native is not None else {key: prepare(lanes[key]) for key in keys.keys}
     if schedule == "ring":
         with jax.named_scope("ring_reduce_scatter"):
-            for key in keys:
-                payload[key] = codec.encode_chunk(values[key], index)
-            for step in range(1, n):
-                for key in keys:
-                    dr = direction[key]
-                    received = ppermute_payload(payload[key], axis_name, _shift_perm(n, dr))
-                    local_chunk = take_chunk(values[key], (index - dr * step) % n)
-                    payload[key] = codec.accumulate_encode(local_chunk, (received,))
-            for key in keys:
-                owned[key] = (index + direction[key]) % n
+            payload, owned = _ring_reduce_scatter(values, keys, codec)
     elif schedule == "two-shot":
         with jax.named_scope("two_shot_reduce_scatter"):
-            received: dict[tuple[int, int], list[Payload]] = {key: [] for key in keys}
-            if native is not None:  # each lane's first element in `lanes`, read flat
-                rows, lane_size = lanes.shape[3], n * lanes.shape[3] * lanes.shape[4]
-                start = {(d, s): (d * num_slices + s) * lane_size for d, s in keys}
-                sent = {key: native.encode(lanes, start[key], rows) for key in keys}
-            for shift in range(1, n):
-                for key in keys:
-                    dr = direction[key]
-                    target = (index + dr * shift) % n
-                    if native is None:
-                        outgoing = codec.encode_chunk(values[key], target)
-                        moved = permute_payload_shift(outgoing, axis_name, n, dr * shift)
-                        received[key].append(moved)
-                    else:  # bytes
-                        outgoing = lax.dynamic_index_in_dim(sent[key], target, 0, keepdims=False)
-                        moved, _ = permute_shift(outgoing, axis_name, n, dr * shift)
-                        received[key].append(moved)
-            for key in keys:
-                owned[key] = index
-                if native is None:
-                    local = take_chunk(values[key], index)
-                    payload[key] = codec.accumulate_encode(local, tuple(received[key]))
-                    continue
-                own = start[key] + index * (lane_size // n)
-                reduced = native.reduce(lanes, own, rows, received[key], [0] * (n - 1))
-                # the codec decodes it (`decode_gathered` goes to _native_two_shot_all_reduce)
-                payload[key] = _unpack_like(reduced, codec, lanes.shape[3:])
+            payload, owned = _two_shot_reduce_scatter(lanes, values, keys, codec, native)
     else:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {SCHEDULES}")
-
-    # All-gather: the owners' payloads, unchanged; everyone decodes the same bytes. Two-shot
-    # owners are in rank order, so one gloo/NCCL all-gather per lane carries them; the ring
-    # schedule forwards them around the ring (every transfer to a neighbour).
     decoded = {}
-    for key in keys:
-        if schedule == "ring":
-            with jax.named_scope("ring_all_gather"):
-                in_place = _ring_all_gather(payload[key], owned[key], axis_name, direction[key])
-        elif decode_gathered is not None:  # the kernel, on the bytes as they arrive
-            with jax.named_scope("all_gather"):
-                gathered = lax.all_gather(pack_payload(payload[key]), axis_name)
-            lane = jax.ShapeDtypeStruct(lanes.shape[2:], out_dtype)
-            decoded[key] = decode_gathered(gathered, (), lane, 0)
-            continue
-        else:
-            with jax.named_scope("all_gather"):
-                in_place = all_gather_payload(payload[key], axis_name)  # chunk p from device p
-        decoded[key] = finish(decode(in_place))
+    for key in keys.keys:
+        decoded[key] = _all_gather_lane(
+            payload[key],
+            owned[key],
+            keys,
+            key,
+            ring=schedule == "ring",
+            decode=lambda gathered: finish(decode(gathered)),
+            decode_gathered=decode_gathered,
+            lane=jax.ShapeDtypeStruct(lanes.shape[2:], out_dtype),
+        )
     return jnp.stack(
-        [jnp.stack([decoded[(d, s)] for s in range(num_slices)]) for d in range(num_dirs)]
+        [jnp.stack([decoded[(d, s)] for s in range(keys.num_slices)]) for d in range(keys.num_dirs)]
     )
+
+
+LaneKey = tuple[int, int]  # (direction, slice)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaneKeys:
+    """The (direction, slice) lanes of a [D, S, N, R, B] message in program order, each
+    lane's direction round the ring (d=0: i -> i+1, d=1: i -> i-1), and this device's place."""
+
+    keys: list[LaneKey]
+    num_dirs: int
+    num_slices: int
+    axis_name: str
+    axis_size: int
+    index: jax.Array  # this device's rank (traced)
+
+    @classmethod
+    def of(cls, lanes: jax.Array, axis_name: str) -> _LaneKeys:
+        num_dirs, num_slices, n = lanes.shape[:3]
+        index = lax.axis_index(axis_name)
+        keys = [(d, s) for d in range(num_dirs) for s in range(num_slices)]
+        return cls(keys, num_dirs, num_slices, axis_name, n, index)
+
+    def direction(self, key: LaneKey) -> int:
+        return 1 if key[0] == 0 else -1
+
+
+def _ring_reduce_scatter(
+    values: dict[LaneKey, jax.Array], keys: _LaneKeys, codec: Codec
+) -> tuple[dict[LaneKey, Payload], dict[LaneKey, jax.Array]]:
+    """The ring's reduce-scatter (see the module doc), step-major over the lanes so that the
+    lanes pipeline: each lane's reduced payload and the chunk this device owns (i + dir)."""
+    n, index, axis_name = keys.axis_size, keys.index, keys.axis_name
+    payload = {key: codec.encode_chunk(values[key], index) for key in keys.keys}
+    for step in range(1, n):
+        for key in keys.keys:
+            dr = keys.direction(key)
+            received = ppermute_payload(payload[key], axis_name, _shift_perm(n, dr))
+            local_chunk = take_chunk(values[key], (index - dr * step) % n)
+            payload[key] = codec.accumulate_encode(local_chunk, (received,))
+    owned = {key: (index + keys.direction(key)) % n for key in keys.keys}
+    return payload, owned
+
+
+def _two_shot_reduce_scatter(
+    lanes: jax.Array,
+    values: dict[LaneKey, jax.Array] | None,
+    keys: _LaneKeys,
+    codec: Codec,
+    native: NativeTwoShot | None,
+) -> tuple[dict[LaneKey, Payload], dict[LaneKey, jax.Array]]:
+    """Two-shot's reduce-scatter (see the module doc), shift-major over the lanes: chunk j of
+    every lane straight to device j, encoded by the codec from `values` or, with `native`, by
+    its kernels from `lanes` read flat (the payloads travel as their bytes). Each lane's
+    reduced payload (the codec's arrays) and the chunk this device owns (its own rank)."""
+    n, index, axis_name = keys.axis_size, keys.index, keys.axis_name
+    received: dict[LaneKey, list[Payload]] = {key: [] for key in keys.keys}
+    if native is not None:  # each lane's first element in `lanes`, read flat
+        rows, lane_size = lanes.shape[3], n * lanes.shape[3] * lanes.shape[4]
+        start = {(d, s): (d * keys.num_slices + s) * lane_size for d, s in keys.keys}
+        sent = {key: native.encode(lanes, start[key], rows) for key in keys.keys}
+    for shift in range(1, n):
+        for key in keys.keys:
+            dr = keys.direction(key)
+            target = (index + dr * shift) % n
+            if native is None:
+                outgoing = codec.encode_chunk(values[key], target)
+                moved = permute_payload_shift(outgoing, axis_name, n, dr * shift)
+                received[key].append(moved)
+            else:  # bytes
+                outgoing = lax.dynamic_index_in_dim(sent[key], target, 0, keepdims=False)
+                moved, _ = permute_shift(outgoing, axis_name, n, dr * shift)
+                received[key].append(moved)
+    payload, owned = {}, {}
+    for key in keys.keys:
+        owned[key] = index
+        if native is None:
+            local = take_chunk(values[key], index)
+            payload[key] = codec.accumulate_encode(local, tuple(received[key]))
+            continue
+        own = start[key] + index * (lane_size // n)
+        reduced = native.reduce(lanes, own, rows, received[key], [0] * (n - 1))
+        # the codec decodes it (`decode_gathered` goes to _native_two_shot_all_reduce)
+        payload[key] = _unpack_like(reduced, codec, lanes.shape[3:])
+    return payload, owned
+
+
+def _all_gather_lane(
+    payload: Payload,
+    owned: jax.Array,
+    keys: _LaneKeys,
+    key: LaneKey,
+    *,
+    ring: bool,
+    decode: Callable[[Payload], jax.Array],
+    decode_gathered: GatheredFn | None,
+    lane: jax.ShapeDtypeStruct,
+) -> jax.Array:
+    """One lane's all-gather and decode: the owners' payloads, unchanged; everyone decodes
+    the same bytes. Two-shot owners are in rank order, so one gloo/NCCL all-gather per lane
+    carries them (decoded by `decode_gathered` on their bytes where given); the ring schedule
+    forwards them around the ring (every transfer to a neighbour)."""
+    if ring:
+        with jax.named_scope("ring_all_gather"):
+            in_place = _ring_all_gather(payload, owned, keys.axis_name, keys.direction(key))
+    elif decode_gathered is not None:  # the kernel, on the bytes as they arrive
+        with jax.named_scope("all_gather"):
+            gathered = lax.all_gather(pack_payload(payload), keys.axis_name)
+        return decode_gathered(gathered, (), lane, 0)
+    else:
+        with jax.named_scope("all_gather"):
+            in_place = all_gather_payload(payload, keys.axis_name)  # chunk p from device p
+    return decode(in_place)
 
 
 def _gather_pieces(
@@ -401,92 +465,122 @@ def _native_two_shot_all_reduce(
     the previous one (an optimization barrier), and every received and all-gathered buffer is
     held until the last decode, else a lane's collective waited for the previous lane's
     compute."""
-    num_dirs, num_slices, n, rows, block = lanes.shape
-    lane_size = n * rows * block
-    pieces = _gather_pieces(rows, native.row_bytes, native.group_rows, native.piece_bytes)
-    index = lax.axis_index(axis_name)
-    held: list[jax.Array] = []
-    last: list[jax.Array] = []  # the latest collective's result
-    encoded: list[jax.Array] = []  # every payload encoded so far, in order
+    return _NativeTwoShotProgram(lanes, axis_name, native, decode_gathered).run()
 
-    def encode(start: jax.Array, count: int) -> jax.Array:
+
+Segment = tuple[int, jax.Array]  # (first row, payload u8 [bytes]) of a chunk's rows
+
+
+class _NativeTwoShotProgram:
+    """The trace of one `_native_two_shot_all_reduce`: what its steps share is the order they
+    are put in (`last`: every collective so far; `encoded`: every encode so far) and the
+    buffers held until the last decode (`held`)."""
+
+    def __init__(
+        self, lanes: jax.Array, axis_name: str, native: NativeTwoShot, decode_gathered: GatheredFn
+    ):
+        _, _, self.n, self.rows, self.block = lanes.shape
+        self.lanes, self.axis_name = lanes, axis_name
+        self.native, self.decode_gathered = native, decode_gathered
+        self.lane_size = self.n * self.rows * self.block
+        self.pieces = _gather_pieces(
+            self.rows, native.row_bytes, native.group_rows, native.piece_bytes
+        )
+        self.index = lax.axis_index(axis_name)
+        self.held: list[jax.Array] = []
+        self.last: list[jax.Array] = []  # the latest collective's result
+        self.encoded: list[jax.Array] = []  # every payload encoded so far, in order
+
+    def run(self) -> jax.Array:
+        """Lane by lane: its reduce-scatter permutes, then the previous lane's all-gather,
+        then its reduce; the last lane's all-gather at the end."""
+        num_dirs, num_slices = self.lanes.shape[:2]
+        chunk_size = self.lane_size // self.n
+        decoded, pending = [], None  # pending: the previous lane's reduced pieces
+        for d in range(num_dirs):
+            dr = 1 if d == 0 else -1
+            for s in range(num_slices):
+                start = (d * num_slices + s) * self.lane_size
+                targets = [
+                    start + (self.index + dr * shift) % self.n * chunk_size
+                    for shift in range(1, self.n)
+                ]
+                outgoing = [self.sent_in(target) for target in targets]
+                received = []
+                with jax.named_scope("two_shot_reduce_scatter"):
+                    for shift, segments in enumerate(outgoing, start=1):
+                        received.append(self.send(segments, dr * shift))
+                self.held += [payload for chunk in received for _, payload in chunk]
+                own = start + self.index * chunk_size
+                if pending is not None:
+                    with jax.named_scope("all_gather"):
+                        decoded.append(self.all_gather(pending, final=False))
+                pending = self.reduce(own, received)
+        with jax.named_scope("all_gather"):
+            decoded.append(self.all_gather(pending, final=True))
+        return jnp.stack(decoded).reshape(self.lanes.shape[:2] + decoded[0].shape)
+
+    def encode(self, start: jax.Array, count: int) -> jax.Array:
         """The payload of `count` rows from element `start` (the reduce kernel, nothing
         received). The first two encodes start together, every later one after the one before
         it: an encode whose input was ready at once would wait behind the collective that the
         previous encode's completion released (XLA:CPU takes ready operations in schedule order
         on one thread), and all at once they would share the cores."""
-        source = _behind(lanes, encoded[-1] if len(encoded) >= 2 else None)
-        encoded.append(native.reduce(source, start, count, [], []))
-        return encoded[-1]
+        source = _behind(self.lanes, self.encoded[-1] if len(self.encoded) >= 2 else None)
+        self.encoded.append(self.native.reduce(source, start, count, [], []))
+        return self.encoded[-1]
 
-    def sent_in(target: jax.Array) -> list[tuple[int, jax.Array]]:
-        """The (first row, payload) segments the chunk from element `target` is sent in: the
-        pieces, where `native.send_pieces`; else whole, but for the call's first chunk (nothing
-        encoded yet), which goes as its first piece and the rest."""
-        spans = [(0, rows)]
-        if native.send_pieces:
-            spans = pieces
-        elif not encoded and len(pieces) > 1:
-            spans = [(0, pieces[1][0]), (pieces[1][0], rows - pieces[1][0])]
-        return [(first, encode(target + first * block, count)) for first, count in spans]
+    def sent_in(self, target: jax.Array) -> list[Segment]:
+        """The segments the chunk from element `target` is sent in: the pieces, where
+        `native.send_pieces`; else whole, but for the call's first chunk (nothing encoded yet),
+        which goes as its first piece and the rest."""
+        spans = [(0, self.rows)]
+        if self.native.send_pieces:
+            spans = self.pieces
+        elif not self.encoded and len(self.pieces) > 1:
+            split = self.pieces[1][0]
+            spans = [(0, split), (split, self.rows - split)]
+        return [(first, self.encode(target + first * self.block, count)) for first, count in spans]
 
-    def send(segments: list[tuple[int, jax.Array]], shift: int) -> list[tuple[int, jax.Array]]:
-        """Each (first row, payload) segment of a chunk to the device `shift` after this one,
-        one after another behind the previous collective; the segments received."""
+    def send(self, segments: list[Segment], shift: int) -> list[Segment]:
+        """Each segment of a chunk to the device `shift` after this one, one after another
+        behind the previous collective; the segments received."""
         received = []
         for first, payload in segments:
-            got, latest = permute_shift(
-                payload, axis_name, n, shift, after=last[-1] if last else None
-            )
+            after = self.last[-1] if self.last else None
+            got, latest = permute_shift(payload, self.axis_name, self.n, shift, after=after)
             received.append((first, got))
-            last.append(latest)
+            self.last.append(latest)
         return received
 
-    def reduce(own: jax.Array, received: list[list[tuple[int, jax.Array]]]) -> list:
+    def reduce(self, own: jax.Array, received: list[list[Segment]]) -> list[Segment]:
         """The reduced payload of each piece of the own chunk, each reduce after the one before
         (the first piece's all-gather waits for the first alone); a piece reads the received
         segment that holds its rows."""
         reduced, previous = [], None
-        for first, count in pieces:
+        for first, count in self.pieces:
             segments = [max((seg for seg in chunk if seg[0] <= first), key=lambda seg: seg[0])
                         for chunk in received]  # fmt: skip
             payloads = [payload for _, payload in segments]
             firsts = [first - seg_first for seg_first, _ in segments]
-            source = _behind(lanes, previous)
-            previous = native.reduce(source, own + first * block, count, payloads, firsts)
+            source = _behind(self.lanes, previous)
+            previous = self.native.reduce(source, own + first * self.block, count, payloads, firsts)
             reduced.append((first, previous))
         return reduced
 
-    def all_gather(reduced: list, *, final: bool) -> jax.Array:
-        lane = jax.ShapeDtypeStruct((n, rows, block), lanes.dtype)
+    def all_gather(self, reduced: list[Segment], *, final: bool) -> jax.Array:
+        """The lane from its reduced pieces: each all-gathered behind the previous collective
+        and decoded into the lane; the last decode of the call holds every buffer until then."""
+        lane = jax.ShapeDtypeStruct((self.n, self.rows, self.block), self.lanes.dtype)
         for number, (first, payload) in enumerate(reduced):
-            gathered = lax.all_gather(_behind(payload, last[-1] if last else None), axis_name)
-            last.append(gathered)
+            gathered = lax.all_gather(
+                _behind(payload, self.last[-1] if self.last else None), self.axis_name
+            )
+            self.last.append(gathered)
             at_last = final and number == len(reduced) - 1
-            lane = decode_gathered(gathered, tuple(held) if at_last else (), lane, first)
-            held.append(gathered)
+            lane = self.decode_gathered(gathered, tuple(self.held) if at_last else (), lane, first)
+            self.held.append(gathered)
         return lane
-
-    decoded, pending = [], None  # pending: the previous lane's reduced pieces
-    for d in range(num_dirs):
-        dr = 1 if d == 0 else -1
-        for s in range(num_slices):
-            start = (d * num_slices + s) * lane_size
-            targets = [start + (index + dr * shift) % n * (lane_size // n) for shift in range(1, n)]
-            outgoing = [sent_in(target) for target in targets]
-            received = []
-            with jax.named_scope("two_shot_reduce_scatter"):
-                for shift, segments in enumerate(outgoing, start=1):
-                    received.append(send(segments, dr * shift))
-            held += [payload for chunk in received for _, payload in chunk]
-            own = start + index * (lane_size // n)
-            if pending is not None:
-                with jax.named_scope("all_gather"):
-                    decoded.append(all_gather(pending, final=False))
-            pending = reduce(own, received)
-    with jax.named_scope("all_gather"):
-        decoded.append(all_gather(pending, final=True))
-    return jnp.stack(decoded).reshape(lanes.shape[:2] + decoded[0].shape)
 
 
 def _unpack_like(packed: jax.Array, codec: Codec, chunk_shape: tuple[int, ...]) -> Payload:
