@@ -135,51 +135,15 @@ def measure(
     num_reductions = 2 * config.num_layers  # attention output and MLP output of every layer
 
     all_chunks = sorted({1, *overlap_chunks})
-    all_reduces = [(m["label"], get_all_reduce(m["name"], **m["options"])) for m in methods]
-    engines, chunks_of = {}, {}
-    for chunks in all_chunks:
-        for label, ar in [*all_reduces, (NO_REDUCE, NoReduce())]:
-            key = overlap_label(label, chunks)
-            engines[key] = base.with_all_reduce(ar, overlap_chunks=chunks)
-            chunks_of[key] = chunks
+    engines, chunks_of = _engines(base, methods, all_chunks)
+    inputs = _Inputs(tokens, mask, bucket, batch, num_elements, num_reductions)
     programs, rows = {}, {}
     reference = None
     for label, engine in engines.items():
-        start = time.perf_counter()
-        program = engine.compile(bucket, batch, last_only=True)
-        compile_s = time.perf_counter() - start
-        programs[label] = program.compiled
-        hlo = layers_hlo(program.hlo_text())  # the all-reduces, not the vocab-parallel head's
-        hlo_bytes = collective_wire_bytes(hlo, tp)
-        ar = engine.all_reduce
-        split = program.compiled(engine.params, tokens, mask).logits
-        logits = np.asarray(engine.model.gathered(split).addressable_data(0), np.float32)
+        programs[label], rows[label], logits = _compile_and_check(engine, inputs, reference)
+        rows[label] = {"label": label, "overlap_chunks": chunks_of[label], **rows[label]}
         if reference is None:
             reference = logits  # the first method (psum by default)
-        err = logits - reference
-        rows[label] = {
-            "label": label,
-            "overlap_chunks": chunks_of[label],
-            "name": ar.name,
-            "options": ar.options(),
-            "gated": ar.is_gated(num_elements, base.dtype),
-            "quantized": ar.quantizes(num_elements, base.dtype),
-            "compile_s": compile_s,
-            "num_reductions": 0 if isinstance(ar, NoReduce) else num_reductions,
-            "hlo_collectives": _collective_counts(hlo),
-            "wire_bytes_hlo": hlo_bytes,
-            "wire_bytes_hlo_total": sum(hlo_bytes.values()),
-            "wire_bytes_formula": (0 if isinstance(ar, NoReduce) else num_reductions)
-            * ar.wire_bytes(num_elements, base.dtype, tp),
-            # From the HLO before optimization: XLA:CPU widens 16-bit all-reduces to f32 (the
-            # optimized HLO), TPU and GPU reduce bf16 as bf16.
-            "wire_bytes_projection": sum(
-                collective_wire_bytes(layers_hlo(program.lowered_hlo), tp).values()
-            ),
-            "logits_rel_rms_vs_first": float(np.linalg.norm(err) / np.linalg.norm(reference)),
-            "logits_max_abs_vs_first": float(np.abs(err).max()),
-            "top1_agree_vs_first": float((logits.argmax(-1) == reference.argmax(-1)).mean()),
-        }
 
     def timed(label: str) -> float:
         multihost_utils.sync_global_devices("prefill-bench")
@@ -219,6 +183,73 @@ def measure(
         "no_reduce_overlap": no_reduce,  # {"K": the same, on K token chunks}, K > 1
         "rows": list(rows.values()),
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """One prefill's padded batch and the size of its all-reduce messages."""
+
+    tokens: jax.Array  # [batch, bucket] int32
+    mask: jax.Array  # [batch, bucket] bool
+    bucket: int
+    batch: int
+    num_elements: int  # one all-reduce message, per device
+    num_reductions: int  # attention output and MLP output of every layer
+
+
+def _engines(
+    base: PrefillEngine, methods: Sequence[dict], all_chunks: Sequence[int]
+) -> tuple[dict[str, PrefillEngine], dict[str, int]]:
+    """An engine for every method and no-reduce at every chunk count, by row label; and each
+    row's chunk count."""
+    all_reduces = [(m["label"], get_all_reduce(m["name"], **m["options"])) for m in methods]
+    engines, chunks_of = {}, {}
+    for chunks in all_chunks:
+        for label, ar in [*all_reduces, (NO_REDUCE, NoReduce())]:
+            key = overlap_label(label, chunks)
+            engines[key] = base.with_all_reduce(ar, overlap_chunks=chunks)
+            chunks_of[key] = chunks
+    return engines, chunks_of
+
+
+def _compile_and_check(
+    engine: PrefillEngine, inputs: _Inputs, reference: np.ndarray | None
+) -> tuple[jax.stages.Compiled, dict[str, object], np.ndarray]:
+    """Compiles one engine's prefill, runs it once: (its program, what its row records of
+    the program and its wire bytes and of its logits against `reference`, its logits)."""
+    tp = jax.device_count()
+    start = time.perf_counter()
+    program = engine.compile(inputs.bucket, inputs.batch, last_only=True)
+    compile_s = time.perf_counter() - start
+    hlo = layers_hlo(program.hlo_text())  # the all-reduces, not the vocab-parallel head's
+    hlo_bytes = collective_wire_bytes(hlo, tp)
+    ar = engine.all_reduce
+    split = program.compiled(engine.params, inputs.tokens, inputs.mask).logits
+    logits = np.asarray(engine.model.gathered(split).addressable_data(0), np.float32)
+    reference = logits if reference is None else reference
+    err = logits - reference
+    reductions = 0 if isinstance(ar, NoReduce) else inputs.num_reductions
+    row = {
+        "name": ar.name,
+        "options": ar.options(),
+        "gated": ar.is_gated(inputs.num_elements, engine.dtype),
+        "quantized": ar.quantizes(inputs.num_elements, engine.dtype),
+        "compile_s": compile_s,
+        "num_reductions": reductions,
+        "hlo_collectives": _collective_counts(hlo),
+        "wire_bytes_hlo": hlo_bytes,
+        "wire_bytes_hlo_total": sum(hlo_bytes.values()),
+        "wire_bytes_formula": reductions * ar.wire_bytes(inputs.num_elements, engine.dtype, tp),
+        # From the HLO before optimization: XLA:CPU widens 16-bit all-reduces to f32 (the
+        # optimized HLO), TPU and GPU reduce bf16 as bf16.
+        "wire_bytes_projection": sum(
+            collective_wire_bytes(layers_hlo(program.lowered_hlo), tp).values()
+        ),
+        "logits_rel_rms_vs_first": float(np.linalg.norm(err) / np.linalg.norm(reference)),
+        "logits_max_abs_vs_first": float(np.abs(err).max()),
+        "top1_agree_vs_first": float((logits.argmax(-1) == reference.argmax(-1)).mean()),
+    }
+    return program.compiled, row, logits
 
 
 def command(
