@@ -45,6 +45,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import h11
 from fastapi.responses import JSONResponse
 
 from equarx_serve.server.protocol import APIError
@@ -252,159 +253,167 @@ class HeadMeter:
         return size, lines
 
 
-def _guarded_protocol(settings: HTTPSettings, count_error: ErrorCounter) -> type:
-    """uvicorn's h11 protocol with the connection-level limits of the module doc: the head's
-    deadline and size, the write deadline, and the connection limit in JSON."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
+class _ConnectionGuards:
+    """The connection-level limits of the module doc, mixed into uvicorn's h11 protocol
+    (`_guarded_protocol`): the head's deadline and size, the write deadline, and the
+    connection limit in JSON."""
 
-    class GuardedH11Protocol(H11Protocol):
-        _head_timer: asyncio.TimerHandle | None = None
-        _head_cycle: Any = None  # the cycle (request) before the awaited head
-        _write_timer: asyncio.TimerHandle | None = None
-        _write_left = 0  # bytes buffered when the write deadline was (re)armed
-        _lost = False
-        _refused = False  # answered 431: what else arrives is dropped
+    settings: HTTPSettings
+    count_error: ErrorCounter
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_cycle: Any = None  # the cycle (request) before the awaited head
+    _write_timer: asyncio.TimerHandle | None = None
+    _write_left = 0  # bytes buffered when the write deadline was (re)armed
+    _lost = False
+    _refused = False  # answered 431: what else arrives is dropped
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.limit_concurrency = None  # ours answers in JSON (`_limited`)
-            self._app = self.app
-            self.app = self._limited
-            self._head = HeadMeter()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.limit_concurrency = None  # ours answers in JSON (`_limited`)
+        self._app = self.app
+        self.app = self._limited
+        self._head = HeadMeter()
 
-        def connection_made(self, transport: Any) -> None:
-            sock = transport.get_extra_info("socket")
-            if sock is not None:  # bounds what the kernel holds for a client that stops reading
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, settings.send_buffer_bytes)
-            super().connection_made(transport)
-            self._arm_head_deadline()
+    def connection_made(self, transport: Any) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # bounds what the kernel holds for a client that stops reading
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.settings.send_buffer_bytes)
+        super().connection_made(transport)
+        self._arm_head_deadline()
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._lost = True
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost = True
+        self._disarm_head_deadline()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+        super().connection_lost(exc)
+
+    # -- the request head: a deadline and a size -------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.conn.their_state is h11.IDLE and not self._head_within_limits(data):
+            return
+        super().data_received(data)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not self._head_cycle:  # a complete head arrived
             self._disarm_head_deadline()
-            if self._write_timer is not None:
-                self._write_timer.cancel()
-            super().connection_lost(exc)
 
-        # -- the request head: a deadline and a size -------------------------------------------
-
-        def data_received(self, data: bytes) -> None:
-            if self.conn.their_state is h11.IDLE and not self._head_within_limits(data):
-                return
-            super().data_received(data)
-
-        def handle_events(self) -> None:
-            super().handle_events()
-            if self.cycle is not self._head_cycle:  # a complete head arrived
-                self._disarm_head_deadline()
-
-        def on_response_complete(self) -> None:
-            self._arm_head_deadline()  # for the next request on this connection
-            super().on_response_complete()
-            if self.transport.get_write_buffer_size():
-                self._watch_writes()
-
-        def _head_within_limits(self, data: bytes) -> bool:
-            if self._refused:
-                return False  # the rest of what this client sends is read and dropped
-            size, lines = self._head.feed(data)
-            if size <= settings.max_head_bytes and lines <= settings.max_headers + 1:
-                return True
-            count_error("other", "request_header_too_large")
-            logger.info("%s: a request head over the limits; refused", self.client)
-            message = (
-                f"the request head is larger than this server's limit of "
-                f"{settings.max_head_bytes} bytes and {settings.max_headers} header lines"
-            )
-            self.transport.write(
-                _refusal_bytes(431, "Request Header Fields Too Large", message, "header_too_large")
-            )
-            self._close_after_answer()
-            return False
-
-        def _close_after_answer(self) -> None:
-            """Sends the answer and a FIN, then reads and drops what the client still sends
-            for a while before closing: closing with unread bytes would reset the connection,
-            and the client could lose the answer (nginx's lingering close)."""
-            self._refused = True
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-            self.loop.call_later(LINGERING_CLOSE_S, self.transport.close)
-
-        def _arm_head_deadline(self) -> None:
-            self._disarm_head_deadline()
-            self._head_cycle = self.cycle
-            self._head_timer = self.loop.call_later(settings.header_timeout_s, self._head_timed_out)
-
-        def _disarm_head_deadline(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_timed_out(self) -> None:
-            if not self.transport.is_closing():
-                logger.info(
-                    "%s: no complete request head within %g s; closed",
-                    self.client,
-                    settings.header_timeout_s,
-                )
-                self.transport.close()
-
-        # -- the write deadline ------------------------------------------------------------------
-
-        def pause_writing(self) -> None:
-            super().pause_writing()
+    def on_response_complete(self) -> None:
+        self._arm_head_deadline()  # for the next request on this connection
+        super().on_response_complete()
+        if self.transport.get_write_buffer_size():
             self._watch_writes()
 
-        def _watch_writes(self) -> None:
-            """While writing is paused, or a finished response is still buffered, the client
-            must take some bytes every `write_timeout_s`."""
-            if self._write_timer is None and not self._lost:
-                self._write_left = self.transport.get_write_buffer_size()
-                self._write_timer = self.loop.call_later(
-                    settings.write_timeout_s, self._check_writes
-                )
+    def _head_within_limits(self, data: bytes) -> bool:
+        if self._refused:
+            return False  # the rest of what this client sends is read and dropped
+        size, lines = self._head.feed(data)
+        if size <= self.settings.max_head_bytes and lines <= self.settings.max_headers + 1:
+            return True
+        self.count_error("other", "request_header_too_large")
+        logger.info("%s: a request head over the limits; refused", self.client)
+        message = (
+            f"the request head is larger than this server's limit of "
+            f"{self.settings.max_head_bytes} bytes and {self.settings.max_headers} header lines"
+        )
+        self.transport.write(
+            _refusal_bytes(431, "Request Header Fields Too Large", message, "header_too_large")
+        )
+        self._close_after_answer()
+        return False
 
-        def _check_writes(self) -> None:
-            self._write_timer = None
-            if self._lost:
-                return
-            left = self.transport.get_write_buffer_size()
-            if left == 0 and not self.flow.write_paused:
-                return  # all taken: nothing to watch until writing pauses again
-            if left < self._write_left:
-                self._watch_writes()  # the client is reading, however slowly
-                return
-            path = self.cycle.scope["path"] if self.cycle is not None else "other"
-            count_error(path, "write_timeout")
+    def _close_after_answer(self) -> None:
+        """Sends the answer and a FIN, then reads and drops what the client still sends
+        for a while before closing: closing with unread bytes would reset the connection,
+        and the client could lose the answer (nginx's lingering close)."""
+        self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGERING_CLOSE_S, self.transport.close)
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_cycle = self.cycle
+        self._head_timer = self.loop.call_later(
+            self.settings.header_timeout_s, self._head_timed_out
+        )
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        if not self.transport.is_closing():
             logger.info(
-                "%s: took no bytes of its response for %g s (%d buffered); disconnected",
+                "%s: no complete request head within %g s; closed",
                 self.client,
-                settings.write_timeout_s,
-                left,
+                self.settings.header_timeout_s,
             )
-            sock = self.transport.get_extra_info("socket")
-            if sock is not None:  # a reset, not a close that waits on the unread bytes
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            self.transport.abort()
+            self.transport.close()
 
-        # -- the connection limit ----------------------------------------------------------------
+    # -- the write deadline ------------------------------------------------------------------
 
-        async def _limited(self, scope: dict, receive: Any, send: Any) -> None:
-            """The app, or past `max_connections` our JSON 503 (monitoring paths excepted: a
-            full server must still say how it is)."""
-            limit = settings.max_connections
-            busy = len(self.connections) > limit or len(self.tasks) > limit
-            if scope["type"] != "http" or not busy or scope["path"] in MONITORING_PATHS:
-                await self._app(scope, receive, send)
-                return
-            count_error(scope["path"], "connection_limit")
-            message = f"the server has its limit of {limit} connections open; retry later"
-            refusal = _error(503, message, "server_busy", {"Retry-After": "1"})
-            await refusal(scope, receive, send)
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_writes()
 
-    return GuardedH11Protocol
+    def _watch_writes(self) -> None:
+        """While writing is paused, or a finished response is still buffered, the client
+        must take some bytes every `write_timeout_s`."""
+        if self._write_timer is None and not self._lost:
+            self._write_left = self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(
+                self.settings.write_timeout_s, self._check_writes
+            )
+
+    def _check_writes(self) -> None:
+        self._write_timer = None
+        if self._lost:
+            return
+        left = self.transport.get_write_buffer_size()
+        if left == 0 and not self.flow.write_paused:
+            return  # all taken: nothing to watch until writing pauses again
+        if left < self._write_left:
+            self._watch_writes()  # the client is reading, however slowly
+            return
+        path = self.cycle.scope["path"] if self.cycle is not None else "other"
+        self.count_error(path, "write_timeout")
+        logger.info(
+            "%s: took no bytes of its response for %g s (%d buffered); disconnected",
+            self.client,
+            self.settings.write_timeout_s,
+            left,
+        )
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:  # a reset, not a close that waits on the unread bytes
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
+
+    # -- the connection limit ----------------------------------------------------------------
+
+    async def _limited(self, scope: dict, receive: Any, send: Any) -> None:
+        """The app, or past `max_connections` our JSON 503 (monitoring paths excepted: a
+        full server must still say how it is)."""
+        limit = self.settings.max_connections
+        busy = len(self.connections) > limit or len(self.tasks) > limit
+        if scope["type"] != "http" or not busy or scope["path"] in MONITORING_PATHS:
+            await self._app(scope, receive, send)
+            return
+        self.count_error(scope["path"], "connection_limit")
+        message = f"the server has its limit of {limit} connections open; retry later"
+        refusal = _error(503, message, "server_busy", {"Retry-After": "1"})
+        await refusal(scope, receive, send)
+
+
+def _guarded_protocol(settings: HTTPSettings, count_error: ErrorCounter) -> type:
+    """uvicorn's h11 protocol with `_ConnectionGuards` under `settings`."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    guards = {"settings": settings, "count_error": staticmethod(count_error)}
+    return type("GuardedH11Protocol", (_ConnectionGuards, H11Protocol), guards)
 
 
 def _error_counter(app: Any) -> ErrorCounter:
