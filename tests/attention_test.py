@@ -159,7 +159,7 @@ def test_prefill_bf16_within_bf16_rounding():
 
 
 def test_masked_attention_is_the_models_computation():
-    """`masked_attention` (the global layers' path in stage 2) is gemma's, bit for bit."""
+    """`masked_attention` (the global layers' path) is gemma's, bit for bit."""
     query, key, value = _inputs(2, 21, 4, 2, jnp.float32, seed=5)
     input_mask = _padded_mask([21, 13], 21, "left")
     mask = causal_attention_mask(input_mask)

@@ -227,17 +227,17 @@ class EquarxInt8(RingAllReduce):
     AUTO_SLICE_BYTES: ClassVar[int] = 512 * 1024
     AUTO_SLICE_BELOW_BITS_PER_S: ClassVar[float] = 1.2e9
     # Two-shot's reduce, all-gather and decode in pieces (`ring.GATHER_PIECE_BYTES`) only where
-    # `transport.measure` found a link slower than this. Measured at N = 4 (README, stage 14),
-    # 16 / 64 MiB, in pieces against whole: 1 Gbit/s (probe 0.84 Gbit/s) 128-133 / 530-547 ms
-    # against 138-142 / 579-601 ms; 2.5 Gbit/s (probe 1.6-2.3) 75.0 / 298.8 against 75.5 /
-    # 315.0 ms; but 10 Gbit/s (probe 4.6-5.3) 73.6 / 277.0 against 66.0 / 235.6 ms and loopback
-    # (probe 5.8-6.1) 77.6 / 334.7 against 56.9 / 216.9 ms: where the link is fast, each extra
-    # collective's fixed cost is more than the decode it hides.
+    # `transport.measure` found a link slower than this. Measured at N = 4 (docs/decisions.md, "the
+    # all-gather in pieces"), 16 / 64 MiB, in pieces against whole: 1 Gbit/s (probe 0.84 Gbit/s)
+    # 128-133 / 530-547 ms against 138-142 / 579-601 ms; 2.5 Gbit/s (probe 1.6-2.3) 75.0 / 298.8
+    # against 75.5 / 315.0 ms; but 10 Gbit/s (probe 4.6-5.3) 73.6 / 277.0 against 66.0 / 235.6 ms
+    # and loopback (probe 5.8-6.1) 77.6 / 334.7 against 56.9 / 216.9 ms: where the link is fast,
+    # each extra collective's fixed cost is more than the decode it hides.
     AUTO_PIECES_BELOW_BITS_PER_S: ClassVar[float] = 3e9
-    # And its encode and reduce-scatter in the same pieces only where the link is slower than
-    # this. Measured at N = 4 (README, stage 15), 16 / 64 MiB, sent in pieces against whole,
-    # alternated: 1 Gbit/s (probe 0.8-1.0 Gbit/s), four runs each, 125.5-138.1 / 497-508 ms
-    # against 127.1-135.0 / 542-554 ms; but 2.5 Gbit/s (probe 1.9-2.4), two runs each,
+    # And its encode and reduce-scatter in the same pieces only where the link is slower than this.
+    # Measured at N = 4 (docs/decisions.md, "every send in pieces"), 16 / 64 MiB, sent in pieces
+    # against whole, alternated: 1 Gbit/s (probe 0.8-1.0 Gbit/s), four runs each, 125.5-138.1 /
+    # 497-508 ms against 127.1-135.0 / 542-554 ms; but 2.5 Gbit/s (probe 1.9-2.4), two runs each,
     # 77.1-91.9 / 342-349 ms against 71.4-72.0 / 317 ms: there the fixed cost of ~50 more
     # collectives outweighs the encodes it hides.
     AUTO_SEND_PIECES_BELOW_BITS_PER_S: ClassVar[float] = 1.3e9
