@@ -33,6 +33,7 @@ def test_every_recorded_result_has_a_kind():
     kinds = {s.name: report.kind_of(s.document) for s in report.load(DATA).values()}
     assert kinds == {
         "allreduce-n2-1gbit": "allreduce",
+        "compare-llama-cpp": "compare",
         "eval-tp2-no-provenance": "eval",
         "lowering": "lowering",
         "prefill-tp2-300mbit": "prefill",
@@ -47,6 +48,22 @@ def test_allreduce_table_has_the_speedup_over_the_ring_from_the_same_run():
     table = report.allreduce_table(json.loads((DATA / "allreduce-n2-1gbit.json").read_text()))
     cells = next(r for r in table.rows if r[1] == f"{size / 2**20:g}" and r[2] == "equarx-int8")
     assert cells[4] == f"{expected:.2f}x"
+
+
+def test_compare_table_has_each_sides_number_and_the_ratio_from_the_same_run():
+    document = json.loads((DATA / "compare-llama-cpp.json").read_text())
+    by_side = {(r["workload"], r["side"].startswith("this project")): r for r in document["rows"]}
+    table = report.compare_table(document)
+    ours = {r[0]: r for r in table.rows if r[1].startswith("this project")}
+    prefill = (
+        by_side[("prefill 512", False)]["median_ms"] / by_side[("prefill 512", True)]["median_ms"]
+    )
+    decode = (by_side[("decode batch 1", True)]["tokens_per_s"]
+              / by_side[("decode batch 1", False)]["tokens_per_s"])  # fmt: skip
+    assert ours["prefill 512"][5] == f"{prefill:.2f}x"
+    assert ours["decode batch 1"][5] == f"{decode:.2f}x"
+    assert ours["decode batch 1"][3] == f"{by_side[('decode batch 1', True)]['tokens_per_s']:.1f}"
+    assert not any("None" in cell or "[" in cell for row in table.rows for cell in row)
 
 
 def test_provenance_names_source_commit_machine_link_and_command():

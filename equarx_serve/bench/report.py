@@ -203,10 +203,31 @@ def lowering_table(document: dict[str, Any]) -> Table:
 
 
 def compare_table(document: dict[str, Any]) -> Table:
-    """Every row of the llama.cpp comparison as the benchmark recorded it."""
-    rows = document["rows"]
-    header = list(rows[0]) if rows else ["(no rows)"]
-    return Table(header, [[_cell(row.get(k)) for k in header] for row in rows])
+    """Each workload's two sides: prefill's median time, decode's tokens/s (all sequences and
+    one), and this project's speed over llama.cpp's on it (>1: faster)."""
+    header = [
+        "workload",
+        "side",
+        "median ms",
+        "tokens/s",
+        "tokens/s a sequence",
+        "speed vs llama.cpp",
+    ]
+    theirs = {r["workload"]: r for r in document["rows"] if r["side"].startswith("llama.cpp")}
+    rows = []
+    for r in document["rows"]:
+        other = theirs.get(r["workload"])
+        ratio = None
+        if other is not None and other is not r:
+            if "median_ms" in r:
+                ratio = other["median_ms"] / r["median_ms"]
+            else:
+                ratio = r["tokens_per_s"] / other["tokens_per_s"]
+        rows.append([r["workload"], r["side"], _num(r.get("median_ms"), ".1f"),
+                     _num(r.get("tokens_per_s"), ".1f"),
+                     _num(r.get("tokens_per_s_per_sequence"), ".1f"),
+                     _num(ratio, ".2f", "x")])  # fmt: skip
+    return Table(header, rows)
 
 
 def serve_table(document: dict[str, Any]) -> Table:
