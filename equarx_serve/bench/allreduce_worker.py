@@ -225,32 +225,8 @@ def measure(
     rows: dict[str, dict[str, object]] = {}
     for method in methods:
         label = method["label"]
-        ar = get_all_reduce(method["name"], **method["options"])
-        inputs, expected = x, reference
-        if method.get("rotated_input"):
-            inputs = _compile(lambda b, r=ar.foldable_rotation: r.apply(b[0])[None], mesh, x)(x)
-            ar = ar.with_rotated_input()
-            expected = _compile(lambda b, ar=ar: ar.exact_sum(b[0], AXIS)[None], mesh, x)(inputs)
-        lowered = _lower(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, inputs)
-        program_sha256 = same_program_everywhere(label, lowered.as_text())
-        program = lowered.compile()
+        program, inputs, rows[label] = _compile_and_check(method, mesh, x, reference)
         programs[label] = (program, inputs)
-        hlo_bytes = collective_wire_bytes(program.as_text(), n)
-        rows[label] = {
-            "label": label,
-            "name": method["name"],
-            "options": ar.options(),
-            "rotated_input": bool(method.get("rotated_input")),
-            "quantized": ar.quantizes(num_elements, jnp.bfloat16),
-            "wire_bytes_hlo": hlo_bytes,
-            "wire_bytes_hlo_total": sum(hlo_bytes.values()),
-            "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
-            "slices": _slices(ar, num_elements, n),
-            "gather_piece_bytes": _gather_piece_bytes(ar, n),
-            "send_pieces": _sends_in_pieces(ar, n),
-            "program_sha256": program_sha256,
-            **_errors(program(inputs), expected),
-        }
 
     repeats, timings = time_side_by_side(
         list(programs), lambda label: timed(*programs[label]), repeats
@@ -258,16 +234,7 @@ def measure(
     for label, stats in timings.items():
         rows[label].update(stats)
     if with_timeline:
-        for label, (program, inputs) in programs.items():
-            ready_ns = []
-
-            def call(program=program, inputs=inputs, ready_ns=ready_ns) -> None:
-                barrier(token).block_until_ready()
-                program(inputs).block_until_ready()
-                ready_ns.append(time.time_ns())  # the profiler's clock: wall time
-
-            spans = timeline.trace_call(call, program.as_text())
-            rows[label]["timeline"] = _timeline(spans, ready_ns[0])
+        _add_timelines(programs, rows, lambda: barrier(token).block_until_ready())
     return {
         "n": n,
         "num_processes": jax.process_count(),
@@ -277,6 +244,59 @@ def measure(
         "transport_probe": None if (probe := transport.link()) is None else vars(probe),
         "rows": list(rows.values()),
     }
+
+
+def _compile_and_check(
+    method: dict, mesh: Mesh, x: jax.Array, reference: jax.Array
+) -> tuple[jax.stages.Compiled, jax.Array, dict[str, object]]:
+    """One method's program (checked to be the same on every process), its input (x, or x
+    rotated for a method that takes a rotated input) and what its row records of its wire
+    bytes and of its result against the exact sum."""
+    label, n, num_elements = method["label"], mesh.size, x.shape[1]
+    ar = get_all_reduce(method["name"], **method["options"])
+    inputs, expected = x, reference
+    if method.get("rotated_input"):
+        inputs = _compile(lambda b, r=ar.foldable_rotation: r.apply(b[0])[None], mesh, x)(x)
+        ar = ar.with_rotated_input()
+        expected = _compile(lambda b, ar=ar: ar.exact_sum(b[0], AXIS)[None], mesh, x)(inputs)
+    lowered = _lower(lambda b, ar=ar: ar(b[0], AXIS)[None], mesh, inputs)
+    program_sha256 = same_program_everywhere(label, lowered.as_text())
+    program = lowered.compile()
+    hlo_bytes = collective_wire_bytes(program.as_text(), n)
+    row = {
+        "label": label,
+        "name": method["name"],
+        "options": ar.options(),
+        "rotated_input": bool(method.get("rotated_input")),
+        "quantized": ar.quantizes(num_elements, jnp.bfloat16),
+        "wire_bytes_hlo": hlo_bytes,
+        "wire_bytes_hlo_total": sum(hlo_bytes.values()),
+        "wire_bytes_formula": ar.wire_bytes(num_elements, jnp.bfloat16, n),
+        "slices": _slices(ar, num_elements, n),
+        "gather_piece_bytes": _gather_piece_bytes(ar, n),
+        "send_pieces": _sends_in_pieces(ar, n),
+        "program_sha256": program_sha256,
+        **_errors(program(inputs), expected),
+    }
+    return program, inputs, row
+
+
+def _add_timelines(
+    programs: dict[str, tuple[jax.stages.Compiled, jax.Array]],
+    rows: dict[str, dict[str, object]],
+    barrier: Callable[[], object],
+) -> None:
+    """Traces one more call of each program, after the barrier, into its row's "timeline"."""
+    for label, (program, inputs) in programs.items():
+        ready_ns = []
+
+        def call(program=program, inputs=inputs, ready_ns=ready_ns) -> None:
+            barrier()
+            program(inputs).block_until_ready()
+            ready_ns.append(time.time_ns())  # the profiler's clock: wall time
+
+        spans = timeline.trace_call(call, program.as_text())
+        rows[label]["timeline"] = _timeline(spans, ready_ns[0])
 
 
 def _timeline(own: list[timeline.Span], ready_ns: int) -> dict[str, object] | None:
