@@ -82,10 +82,11 @@ def command_line() -> str:
 
 
 def collect(link: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The provenance block: date (UTC, ISO 8601), git commit and dirty flag, machine, command
-    line, and `link` (a link measurement as `Cluster.measure_link().as_dict()`) when the run
-    measured one."""
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    """The provenance block: date (UTC, ISO 8601), git commit and dirty flag (tracked files
+    changed, but for the results folder the benchmarks write to), machine, command line, and
+    `link` (a link measurement as `Cluster.measure_link().as_dict()`) when the run measured
+    one."""
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/results")
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _git("rev-parse", "HEAD"),
