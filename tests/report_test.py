@@ -33,6 +33,7 @@ def test_every_recorded_result_has_a_kind():
     kinds = {s.name: report.kind_of(s.document) for s in report.load(DATA).values()}
     assert kinds == {
         "allreduce-n2-1gbit": "allreduce",
+        "allreduce-plain-n2-1gbit": "allreduce-plain",
         "compare-llama-cpp": "compare",
         "eval-tp2-no-provenance": "eval",
         "lowering": "lowering",
@@ -48,6 +49,20 @@ def test_allreduce_table_has_the_speedup_over_the_ring_from_the_same_run():
     table = report.allreduce_table(json.loads((DATA / "allreduce-n2-1gbit.json").read_text()))
     cells = next(r for r in table.rows if r[1] == f"{size / 2**20:g}" and r[2] == "equarx-int8")
     assert cells[4] == f"{expected:.2f}x"
+
+
+def test_plain_table_sets_each_join_against_the_launcher_and_its_own_ring():
+    rows = _rows("allreduce-plain-n2-1gbit")
+    size = max(r["size_bytes"] for r in rows)
+    by = {(r["join"], r["label"]): r for r in rows if r["size_bytes"] == size}
+    document = json.loads((DATA / "allreduce-plain-n2-1gbit.json").read_text())
+    table = report.allreduce_plain_table(document)
+    cells = next(r for r in table.rows if r[1] == f"{size / 2**20:g}" and r[2] == "equarx-int8")
+    plain, launcher = by[("plain", "equarx-int8")], by[("launcher", "equarx-int8")]
+    assert cells[5] == f"{plain['median_ms'] / launcher['median_ms']:.3f}"
+    assert cells[6] == f"{by[('plain', 'ring')]['median_ms'] / plain['median_ms']:.2f}x"
+    assert cells[7] == f"{by[('launcher', 'ring')]['median_ms'] / launcher['median_ms']:.2f}x"
+    assert len(table.rows) == sum(r["join"] == "plain" for r in rows)
 
 
 def test_compare_table_has_each_sides_number_and_the_ratio_from_the_same_run():

@@ -73,7 +73,8 @@ def kind_of(document: dict[str, Any]) -> str:
     if "compute_floor" in document and "methods" in document:
         return "eval"
     if "link_measurements" in document:
-        return "allreduce"
+        plain = any(r.get("join") == "plain" for r in document["rows"])
+        return "allreduce-plain" if plain else "allreduce"
     if "runs" in document and "link_measurement" in document:
         return "prefill"
     if "limits" in document and "machine" in document:
@@ -148,6 +149,28 @@ def allreduce_table(document: dict[str, Any]) -> Table:
                      f"{r['median_ms']:.1f}", _num(_speedup_over(group, r, "ring"), ".2f", "x"),
                      f"{r['wire_bytes_hlo_total'] / MIB:.2f}", _pct(r.get("link_efficiency")),
                      _num(r.get("rel_rms"), ".2e")])  # fmt: skip
+    return Table(header, rows)
+
+
+def allreduce_plain_table(document: dict[str, Any]) -> Table:
+    """`bench allreduce --plain`: per mesh, size and method, the median joined by the launcher
+    and by a plain `jax.distributed` program (same processes, back to back), their ratio, and
+    each one's speed-up over the ring joined the same way."""
+    header = ["mesh", "MiB/device", "method", "launcher ms", "plain ms", "plain / launcher",
+              "plain vs ring", "launcher vs ring", "plain vs link"]  # fmt: skip
+    rows = []
+    plain = [r for r in document["rows"] if r["join"] == "plain"]
+    for r in plain:
+        key = (r["n"], r["size_bytes"])
+        same = [o for o in document["rows"] if (o["n"], o["size_bytes"]) == key]
+        by_join = {j: [o for o in same if o["join"] == j] for j in ("plain", "launcher")}
+        launcher = next(o for o in by_join["launcher"] if o["label"] == r["label"])
+        rows.append([f"{r['mode']} N={r['n']}", f"{r['size_bytes'] / MIB:g}", r["label"],
+                     f"{launcher['median_ms']:.1f}", f"{r['median_ms']:.1f}",
+                     f"{r['median_ms'] / launcher['median_ms']:.3f}",
+                     _num(_speedup_over(by_join["plain"], r, "ring"), ".2f", "x"),
+                     _num(_speedup_over(by_join["launcher"], launcher, "ring"), ".2f", "x"),
+                     _pct(r.get("link_efficiency"))])  # fmt: skip
     return Table(header, rows)
 
 
@@ -242,6 +265,7 @@ def _cell(value: Any) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "allreduce": allreduce_table,
+    "allreduce-plain": allreduce_plain_table,
     "prefill": prefill_table,
     "eval": eval_table,
     "lowering": lowering_table,
