@@ -1078,16 +1078,27 @@ class TensorParallelGemma3:
     def sampling_decoder(self, mode: str, max_k: int = 0):
         """The compiled decode step that samples too (one program, the logits never leave
         it): (params, cache, tokens, lengths, SamplingInputs) -> `SampledStep`; the cache is
-        DONATED (see `decode`)."""
+        DONATED (see `decode`). With fewer tokens [R] than cache rows [B, ...], the step
+        decodes the cache's first R rows only (their KV entries updated in place; the other
+        rows untouched), so that a step costs what the running sequences need, not the
+        whole cache's rows."""
         key = (mode, max_k)
         if key not in self._decoders:
             sample = self._sample_shard(mode, max_k)
 
             def shard_step(params, cache, tokens, lengths, sampling):
-                logits, cache = self._module.apply(
-                    {"params": params}, tokens, lengths, cache, method=Gemma3Shard.decode
+                rows = tokens.shape[0]
+                head = jax.tree.map(lambda kv: kv[:rows], cache)  # [R, S, K, H] each
+                logits, head = self._module.apply(
+                    {"params": params}, tokens, lengths, head, method=Gemma3Shard.decode
                 )
-                return sample(logits, sampling), cache
+                if rows < jax.tree.leaves(cache)[0].shape[0]:
+                    head = jax.tree.map(
+                        lambda kv, new: lax.dynamic_update_slice_in_dim(kv, new, 0, axis=0),
+                        cache,
+                        head,
+                    )
+                return sample(logits, sampling), head
 
             sharded = jax.shard_map(
                 shard_step,

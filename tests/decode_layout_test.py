@@ -17,6 +17,7 @@ from conftest import mesh_of
 from equarx_serve.collectives import get_all_reduce
 from equarx_serve.generation.prefill import PrefillEngine
 from equarx_serve.generation.runner import DeviceRunner
+from equarx_serve.generation.sampling import SamplingBatch, sampling_inputs
 from models.config import get_config
 from models.gemma3 import init_params
 
@@ -100,3 +101,30 @@ def test_decode_program_copies_no_weight(name):
     hlo = runner.decode_program(rows=2, capacity=MAX_LENGTH).hlo_text()
     assert "params[\\'layer_0\\']" in hlo  # the probe sees the weights
     assert _weight_copies(hlo) == []
+
+
+def test_a_decode_of_the_caches_first_rows_leaves_the_others_alone():
+    """Decoding the first 2 rows of a 4-row cache gives the tokens and KV entries a 2-row
+    cache gives, bit for bit, and the other rows' entries stay as they were."""
+    engine = _engine("tiny", 2)
+    runner = DeviceRunner(engine)
+    rng = np.random.default_rng(3)
+    padded = np.zeros((4, MAX_LENGTH), np.int32)
+    padded[:, :PROMPT] = rng.integers(7, engine.config.vocab_size, size=(4, PROMPT))
+    cache = engine.model(engine.params, padded, padded != 0).cache
+    before = jax.tree.map(np.asarray, cache)
+    tokens = runner.place(np.array([11, 12], np.int32))  # the next token of each
+    lengths = runner.place(np.full(2, PROMPT, np.int32))
+    sampling = sampling_inputs(SamplingBatch.for_rows([None, None], engine.config.vocab_size),
+                               runner.place)  # fmt: skip
+    decoder = engine.model.sampling_decoder("greedy")
+    two_rows = jax.tree.map(lambda kv: jax.device_put(kv[:2], kv.sharding), cache)
+    alone = decoder(engine.params, two_rows, tokens, lengths, sampling)
+    within = decoder(engine.params, cache, tokens, lengths, sampling)
+    np.testing.assert_array_equal(np.asarray(within.tokens), np.asarray(alone.tokens))
+    for name, layer in within.cache.items():
+        for kind, kv in layer.items():
+            kv = np.asarray(kv)
+            np.testing.assert_array_equal(kv[:2], np.asarray(alone.cache[name][kind]))
+            np.testing.assert_array_equal(kv[2:], before[name][kind][2:])
+            assert not np.array_equal(kv[:2], before[name][kind][:2])  # the step wrote there

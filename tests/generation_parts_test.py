@@ -147,6 +147,15 @@ def test_decode_shape_has_at_least_two_rows():
     assert policy.decode_shape(1).rows == 2 and policy.decode_shape(5).rows == 5
 
 
+def test_a_decode_step_computes_the_caches_first_rows_up_to_the_last_running_slot():
+    policy = BatchPolicy(fake_engine())
+    rows = [policy.running_decode_shape(last, 8).rows for last in range(8)]
+    assert rows == [2, 2, 4, 4, 8, 8, 8, 8]
+    assert policy.running_decode_shape(2, 3).rows == 3  # never more than the cache has
+    with pytest.raises(ValueError, match="not one of 8 rows"):
+        policy.running_decode_shape(8, 8)
+
+
 def test_traffic_counted_by_hand():
     """psum on CPU sends f32 (XLA widens bf16) in a ring: 2 (N-1)/N of the operand, per
     message, 2 messages per layer."""
@@ -249,7 +258,10 @@ class ScriptedRunner:
                 tokens.append(next_token(list(prompt)))
             return StepOutput(np.array(tokens, np.int32))
         if isinstance(step, DecodeStep):
-            assert self.cache is not None and len(step.tokens) == self.cache[0]
+            # the cache's first rows, a power of two of them (or all), covering every running slot
+            rows = len(step.tokens)
+            assert self.cache is not None and rows <= self.cache[0]
+            assert rows == self.cache[0] or rows & (rows - 1) == 0, rows
             tokens = []
             for row, (token, length) in enumerate(zip(step.tokens, step.lengths, strict=True)):
                 if length == 0:  # idle
@@ -421,6 +433,27 @@ def test_a_fatal_runner_error_propagates():
         engine.step()
 
 
+def test_decode_rows_follow_the_running_requests_not_the_slots():
+    """On 8 slots, one request decodes 2 rows; five at once decode 8; once only the first
+    is left, 2 again; every request still gets the tokens it gets alone."""
+    engine, runner = make_engine(slots=8)
+    engine.add_request("solo", [2, 40], SamplingParams(max_tokens=3))
+    run_all(engine)
+    decodes = [s for s in runner.steps if isinstance(s, DecodeStep)]
+    assert decodes and {len(s.tokens) for s in decodes} == {2}
+    assert {r.shape.rows for r in engine.records if r.shape.phase == Phase.DECODE} == {2}
+    runner.steps.clear()
+    engine.add_request(0, [2, 41], SamplingParams(max_tokens=12))
+    for i in range(1, 5):
+        engine.add_request(i, [2, 41 + i], SamplingParams(max_tokens=2))
+    events = run_all(engine)
+    rows = [len(s.tokens) for s in runner.steps if isinstance(s, DecodeStep)]
+    assert rows[0] == 8 and rows[-1] == 2, rows
+    for i in range(5):
+        tokens = [e.token for e in events[i] if isinstance(e, TokenEvent)]
+        assert tokens == alone([2, 41 + i], 12 if i == 0 else 2)
+
+
 def test_decode_steps_sample_each_row_with_its_own_step_count():
     engine, runner = make_engine(slots=3)
     params = SamplingParams(max_tokens=6, temperature=0.5, seed=11)
@@ -432,6 +465,6 @@ def test_decode_steps_sample_each_row_with_its_own_step_count():
     engine.step()  # a decode step for both
     decode = runner.steps[-1]
     assert isinstance(decode, DecodeStep)
-    assert decode.sampling.steps == (2, 1, 0) and decode.sampling.seeds == (11, 12, 0)
+    assert decode.sampling.steps == (2, 1) and decode.sampling.seeds == (11, 12)  # rows 0, 1
     assert decode.sampling.mode == "temperature"
     assert [isinstance(e, TokenEvent) for e in engine.step()]

@@ -8,7 +8,8 @@ Every step runs on a padded batch, and this module alone decides how:
 - prefill: the prompts are right-padded to the engine's length bucket of the longest, and the
   batch to a power of two rows (few programs), and to at least MIN_ROWS rows when the bucket
   is short (see MIN_ROWS), with copies of the first prompt;
-- decode: one row per slot of the KV cache, and at least MIN_ROWS (an idle row if need be).
+- decode: the KV cache has one row per slot, and at least MIN_ROWS (an idle row if need be);
+  a step decodes its first rows up to the highest running slot, a power of two of them.
 
 The runner executes exactly these shapes, the engine builds its steps from them, and the
 server's metrics and the CLI's reports read the all-reduce traffic from here: each layer
@@ -117,6 +118,16 @@ class BatchPolicy:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         return StepShape(Phase.DECODE, max(slots, MIN_ROWS), 1)
+
+    def running_decode_shape(self, last_running_slot: int, cache_rows: int) -> StepShape:
+        """The batch a decode step computes when `last_running_slot` is the highest slot
+        running: the cache's first rows up to it, a power of two of them (few programs), at
+        least MIN_ROWS, at most `cache_rows`. Slots are taken lowest first, so one running
+        request decodes MIN_ROWS rows, not the cache's all."""
+        if not 0 <= last_running_slot < cache_rows:
+            raise ValueError(f"slot {last_running_slot} is not one of {cache_rows} rows")
+        rows = 1 << last_running_slot.bit_length()  # the smallest power of two above it
+        return StepShape(Phase.DECODE, min(cache_rows, max(rows, MIN_ROWS)), 1)
 
     def traffic(self, shape: StepShape) -> AllReduceTraffic:
         """The all-reduces a step of this shape makes."""

@@ -256,15 +256,18 @@ class StepEngine:
 
     def _decode_step(self) -> list[Event]:
         running = self.slots.running()
-        rows: list[tuple[SamplingParams, int] | None] = [None] * self.slots.rows
+        shape = self.policy.running_decode_shape(running[-1][0], self.slots.rows)
+        rows: list[tuple[SamplingParams, int] | None] = [None] * shape.rows
         for slot, request in running:
             rows[slot] = (request.params, request.produced)
         tokens, lengths = self.slots.decode_inputs()
         step = DecodeStep(
-            tuple(tokens), tuple(lengths), SamplingBatch.for_rows(rows, self.vocab_size)
+            tuple(tokens[: shape.rows]),
+            tuple(lengths[: shape.rows]),
+            SamplingBatch.for_rows(rows, self.vocab_size),
         )
         try:
-            output = self._run(step, self.policy.decode_shape(self.slots.slots), len(running))
+            output = self._run(step, shape, len(running))
         except FatalRunnerError:
             raise
         except Exception as e:  # the step was given the cache: it is gone

@@ -57,10 +57,12 @@ class CacheLost(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class CompiledDecode:
-    """One ahead-of-time compiled decode step (sampling included) for a cache of `rows` x
-    `capacity`, sampling in `mode` with top-k width `max_k` (see `SamplingBatch`)."""
+    """One ahead-of-time compiled decode step (sampling included) of the first `rows` rows of a
+    cache of `cache_rows` x `capacity`, sampling in `mode` with top-k width `max_k` (see
+    `SamplingBatch`)."""
 
     rows: int
+    cache_rows: int
     capacity: int
     mode: str
     max_k: int
@@ -94,7 +96,7 @@ class DeviceRunner:
         self.cache = DeviceKVCache(engine)
         self._replicated = NamedSharding(engine.mesh, P())
         self._cache_sharding = NamedSharding(engine.mesh, engine.model.cache_spec)
-        self._decode_programs: dict[tuple[int, int], CompiledDecode] = {}
+        self._decode_programs: dict[tuple[int, int, int, str, int], CompiledDecode] = {}
 
     def run(self, step: Step) -> StepOutput:
         """Runs one step. If it fails after the KV cache was donated to a program, the cache is
@@ -119,15 +121,21 @@ class DeviceRunner:
         return jax.make_array_from_callback(value.shape, self._replicated, lambda i: value[i])
 
     def decode_program(
-        self, rows: int, capacity: int, mode: str = "greedy", max_k: int = 0
+        self,
+        rows: int,
+        capacity: int,
+        mode: str = "greedy",
+        max_k: int = 0,
+        cache_rows: int | None = None,
     ) -> CompiledDecode:
-        """The compiled decode step for a cache of rows x capacity, sampling in `mode` (cached)."""
-        key = (rows, capacity, mode, max_k)
+        """The compiled decode step of the first `rows` rows of a cache of `cache_rows` (default
+        `rows`) x `capacity`, sampling in `mode` (cached)."""
+        key = (rows, cache_rows or rows, capacity, mode, max_k)
         if key not in self._decode_programs:
             engine = self.engine
             config = engine.config
             kv = jax.ShapeDtypeStruct(
-                (rows, capacity, config.num_kv_heads, config.head_dim),
+                (cache_rows or rows, capacity, config.num_kv_heads, config.head_dim),
                 engine.dtype,
                 sharding=self._cache_sharding,
             )
@@ -157,7 +165,7 @@ class DeviceRunner:
     def _decode(self, step: DecodeStep) -> StepOutput:
         sampling = step.sampling
         program = self.decode_program(
-            len(step.tokens), self.cache.capacity, sampling.mode, sampling.max_k
+            len(step.tokens), self.cache.capacity, sampling.mode, sampling.max_k, self.cache.rows
         )
         started = time.perf_counter()
         out = program.compiled(
