@@ -13,8 +13,10 @@ What `step()` does (the structure of vLLM's engine):
      `BatchPolicy`), their KV caches copied into their slots and their first tokens sampled.
      The cache first grows to the length bucket of the longest prompt + max_tokens among the
      requests it holds and those waiting (one decode program per capacity).
-  2. Else, if requests run, a DECODE step: one token for every slot (idle rows too, their
-     output unused), sampled per request (see `sampling.py`).
+  2. Else, if requests run, a DECODE step: one token for each of the cache's first rows up to
+     the highest running slot (`BatchPolicy.running_decode_shape`: a power of two of them, at
+     least 2; idle rows among them too, their output unused), sampled per request (see
+     `sampling.py`). Slots are taken lowest first, so a lone request decodes 2 rows.
   3. Each sampled token goes through the request's detokenizer: a request finishes on EOS or
      <end_of_turn> ("stop"), on a stop string ("stop": the text is cut before it, and it is
      never streamed), or at max_tokens ("length"); its slot goes to the next request.
