@@ -22,6 +22,11 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def chunks_or_auto(text: str) -> int | str:
+    """`overlap_chunks`: an integer >= 1, or "auto" (chosen by the run: `collectives.overlap`)."""
+    return "auto" if text.strip() == "auto" else int_at_least(1)(text)
+
+
 def positive_seconds(text: str) -> float:
     value = float(text)
     if not value > 0:

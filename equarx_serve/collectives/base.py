@@ -111,6 +111,42 @@ class AllReduce:
         """The f32 value this all-reduce of `x` approximates: `psum` of x in f32."""
         return lax.psum(x.astype(jnp.float32), axis_name)
 
+    def one_shot_parts(self, x: jax.Array, axis_size: int) -> OneShotParts | None:
+        """This all-reduce of x over `axis_size` devices as one exchange of bytes (its one-shot
+        form, `OneShotParts`), for a transport that moves the bytes itself
+        (`collectives.overlap`); None where it has none (then `reduce` runs). The base method
+        sends x's own bits and sums in f32."""
+        return raw_one_shot_parts(x, x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class OneShotParts:
+    """An all-reduce as one exchange: every device sends `payload` (u8 [bytes], its whole
+    message encoded) to every other, and `combine` maps the payloads of all N devices (u8
+    [N (source rank), bytes]) to the sum, decoded and added in rank order so that every device
+    computes the same bits."""
+
+    payload: jax.Array
+    combine: Callable[[jax.Array], jax.Array]
+
+
+def raw_one_shot_parts(x: jax.Array, wire_dtype: jnp.dtype) -> OneShotParts:
+    """x's values in `wire_dtype`, their bits on the wire, summed in f32 and cast back."""
+    values = x.astype(wire_dtype)
+    payload = lax.bitcast_convert_type(values, jnp.uint8).reshape(-1)
+    itemsize = jnp.dtype(wire_dtype).itemsize
+
+    def combine(gathered: jax.Array) -> jax.Array:
+        n = gathered.shape[0]
+        by_rank = gathered.reshape(n, *x.shape, *((itemsize,) if itemsize > 1 else ()))
+        by_rank = lax.bitcast_convert_type(by_rank, wire_dtype).astype(jnp.float32)
+        total = by_rank[0]
+        for k in range(1, n):  # in rank order, as every device does
+            total = total + by_rank[k]
+        return total.astype(x.dtype)
+
+    return OneShotParts(payload, combine)
+
 
 def ring_all_reduce_bytes(operand_bytes: int, axis_size: int) -> int:
     return 2 * (axis_size - 1) * operand_bytes // axis_size

@@ -18,7 +18,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from equarx_serve.collectives.base import AllReduce, ring_all_reduce_bytes
+from equarx_serve.collectives.base import (
+    AllReduce,
+    OneShotParts,
+    raw_one_shot_parts,
+    ring_all_reduce_bytes,
+)
 from equarx_serve.collectives.registry import register_all_reduce
 from equarx_serve.collectives.ring import RingAllReduce, take_chunk
 from equarx_serve.kernels.block_quantize import FLOAT32_TINY, INT8_MAX
@@ -38,6 +43,9 @@ class PsumF32(AllReduce):
 
     def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
         return ring_all_reduce_bytes(num_elements * 4, axis_size)
+
+    def one_shot_parts(self, x: jax.Array, axis_size: int) -> OneShotParts:
+        return raw_one_shot_parts(x, jnp.float32)
 
 
 _RAW_BITS = {2: jnp.uint16, 4: jnp.uint32}

@@ -90,7 +90,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx_serve.collectives import ring, transport
-from equarx_serve.collectives.base import AllReduce, check_float_dtype, ring_all_reduce_bytes
+from equarx_serve.collectives.base import (
+    AllReduce,
+    OneShotParts,
+    check_float_dtype,
+    ring_all_reduce_bytes,
+)
 from equarx_serve.collectives.hadamard import (
     MAX_DENSE_BLOCK,
     HadamardRotation,
@@ -509,6 +514,29 @@ class EquarxInt8(RingAllReduce):
             native=encoder,
         )
 
+    def one_shot_parts(
+        self, x: jax.Array, axis_size: int, *, rotate_input: bool = True
+    ) -> OneShotParts:
+        """This all-reduce as one exchange (`OneShotParts`): the one-shot schedule over any N,
+        with one-shot's codec (`for_axis_size`), native kernels where `reduce` would take them,
+        and the sum rotated back; `rotate_input=False` for inputs already rotated
+        (`RotatedInput`). A gated message has no quantized form: `reduce` it instead."""
+        check_float_dtype(x, self.name)
+        single = dataclasses.replace(self, schedule="one-shot", bidirectional=False, num_slices=1)
+        single = single.for_axis_size(axis_size)
+        rotation = single.input_rotation
+        rotate_input = rotate_input and rotation is not None
+        kernels = single._one_shot_kernels(x.dtype, axis_size, rotate_input=rotate_input)
+        if kernels is not None or rotation is None:
+            return single.one_shot_exchange(x, axis_size, packed=kernels)
+        prepare = (lambda lane: _rotate_lane(rotation, lane, jnp.float32)) if rotate_input else None
+        if single.inverse_on_codes(axis_size):
+            codec, group = single.codec(x.dtype), rotation.block
+            decode = lambda payload: codec.decode_rotated(payload, group)
+            return single.one_shot_exchange(x, axis_size, prepare=prepare, decode=decode)
+        finish = lambda lane: _rotate_lane(rotation, lane, x.dtype)
+        return single.one_shot_exchange(x, axis_size, prepare=prepare, finish=finish)
+
     def _runs_natively(self, dtype: jnp.dtype, axis_size: int) -> bool:
         """Whether one-shot runs as the native kernels of `kernels/one_shot.py` (rotate and
         quantize into the packed payload; decode, sum, rotate back and cast straight from the
@@ -674,6 +702,9 @@ class RotatedInput(AllReduce):
 
     def exact_sum(self, x: jax.Array, axis_name: str) -> jax.Array:
         return self.rotation.apply(super().exact_sum(x, axis_name))
+
+    def one_shot_parts(self, x: jax.Array, axis_size: int) -> OneShotParts:
+        return self.method.one_shot_parts(x, axis_size, rotate_input=False)
 
     def options(self) -> dict[str, object]:
         return self.method.options()

@@ -68,7 +68,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from equarx_serve.collectives import transport
-from equarx_serve.collectives.base import AllReduce, check_float_dtype
+from equarx_serve.collectives.base import AllReduce, OneShotParts, check_float_dtype
 
 Payload = Any  # a pytree of arrays: what one hop puts on the wire
 SCHEDULES = ("auto", "ring", "two-shot", "one-shot")
@@ -662,18 +662,26 @@ def _one_shot_all_reduce(
     with jax.named_scope("one_shot_all_gather"):
         for d in range(num_dirs):
             for s in range(num_slices):
-                values = prepare(lanes[d, s])
-                own = jax.tree.map(
-                    lambda *chunks: jnp.stack(chunks),
-                    *[codec.encode_chunk(values, jnp.int32(i)) for i in range(n)],
-                )  # leaves [N, R, ...]
+                own = _one_shot_encode(prepare(lanes[d, s]), codec, n)
                 by_rank = all_gather_payload(own, axis_name)  # [N (source rank), N, R, ...]
-                values = decode(by_rank)  # [N, N, R, B] f32
-                # Added one by one in rank order: one elementwise pass. (`jnp.sum` over the
-                # leading axis is a reduce that XLA:CPU runs ~4x slower, measured at 16 MiB.)
-                summed = functools.reduce(operator.add, [values[k] for k in range(n)])
-                decoded.append(finish(summed))
+                decoded.append(_one_shot_combine(by_rank, decode, finish, n))
     return jnp.stack(decoded).reshape(lanes.shape)
+
+
+def _one_shot_encode(values: jax.Array, codec: Codec, n: int) -> Payload:
+    """A lane's values [N, R, B] -> the payload of all its N chunks (leaves [N, R, ...])."""
+    return jax.tree.map(
+        lambda *chunks: jnp.stack(chunks),
+        *[codec.encode_chunk(values, jnp.int32(i)) for i in range(n)],
+    )
+
+
+def _one_shot_combine(by_rank: Payload, decode: PayloadFn, finish: LaneFn, n: int) -> jax.Array:
+    """Every device's lane payload (leaves [N (source rank), N, R, ...]) -> their sum, finished."""
+    values = decode(by_rank)  # [N, N, R, B] f32
+    # Added one by one in rank order: one elementwise pass. (`jnp.sum` over the leading axis
+    # is a reduce that XLA:CPU runs ~4x slower, measured at 16 MiB.)
+    return finish(functools.reduce(operator.add, [values[k] for k in range(n)]))
 
 
 def packed_one_shot_all_reduce(
@@ -847,6 +855,47 @@ class RingAllReduce(AllReduce):
                 native=native,
             )
         return layout.from_lanes(reduced, x.shape)
+
+    def one_shot_parts(self, x: jax.Array, axis_size: int) -> OneShotParts:
+        """The one-shot schedule of x as one exchange of bytes (see `OneShotParts`)."""
+        return self.one_shot_exchange(x, axis_size)
+
+    def one_shot_exchange(
+        self,
+        x: jax.Array,
+        axis_size: int,
+        *,
+        prepare: LaneFn | None = None,
+        decode: PayloadFn | None = None,
+        finish: LaneFn | None = None,
+        packed: PackedOneShot | None = None,
+    ) -> OneShotParts:
+        """`OneShotParts` of x (any shape) in one lane, with `ring_reduce`'s hooks: every
+        device's whole message encoded once (`packed`'s kernel, or `prepare` and the codec),
+        and every device's payload decoded and summed in rank order (`packed`'s kernel, or
+        `decode` and `finish`), as the one-shot schedule does."""
+        layout = self.layout(x.size, axis_size, num_slices=1)
+        if layout.directions != 1:
+            raise ValueError("one exchange carries one direction: bidirectional=False")
+        if packed is not None:
+            flat = x.reshape(-1)
+            payload = packed.encode(flat, 0, layout.padded_size // layout.block_size, ())
+            out = jax.ShapeDtypeStruct(flat.shape, flat.dtype)
+            combine = lambda gathered: packed.combine(out, gathered, 0, ()).reshape(x.shape)
+            return OneShotParts(payload, combine)
+        codec, n = self.codec(x.dtype), axis_size
+        prepare = prepare or (lambda lane: lane)
+        decode = decode or (lambda payload: codec.decode(payload, jnp.float32))
+        finish = finish or (lambda lane: lane.astype(x.dtype))
+        own = _one_shot_encode(prepare(layout.to_lanes(x)[0, 0]), codec, n)
+        leaves, treedef = jax.tree.flatten(own)
+
+        def combine(gathered: jax.Array) -> jax.Array:
+            by_rank = jax.tree.unflatten(treedef, unpack_payload(gathered, leaves))
+            lane = _one_shot_combine(by_rank, decode, finish, n)
+            return layout.from_lanes(lane[None, None], x.shape)
+
+        return OneShotParts(pack_payload(own), combine)
 
     def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
         if axis_size == 1:

@@ -1,0 +1,131 @@
+"""`collectives.exchange` (bytes between processes beside XLA) over socket pairs in one
+process; every all-reduce's one-shot form (`one_shot_parts`, what the exchange carries)
+against the method's own one-shot schedule on fake CPU devices; and where a prefill overlaps
+by default (`overlap.auto_chunks`)."""
+
+from __future__ import annotations
+
+import socket
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import mesh_of
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from equarx_serve.arguments import chunks_or_auto
+from equarx_serve.collectives import exchange, get_all_reduce, overlap, transport
+from equarx_serve.collectives.exchange import ByteExchange
+
+
+def connected_pair() -> tuple[ByteExchange, ByteExchange]:
+    a, b = socket.socketpair()
+    return ByteExchange(0, 2, {1: a}), ByteExchange(1, 2, {0: b})
+
+
+def test_both_ends_get_every_payload_in_rank_order():
+    first, second = connected_pair()
+    for size in (1, 5, 3 << 20):  # up to several socket buffers
+        payloads = [np.random.default_rng(r).integers(0, 256, size, np.uint8) for r in (0, 1)]
+        seqs = [end.start(p.tobytes()) for end, p in zip((first, second), payloads, strict=True)]
+        assert seqs[0] == seqs[1]
+        for end, seq in zip((first, second), seqs, strict=True):
+            np.testing.assert_array_equal(end.finish(seq), np.stack(payloads))
+    assert first.sent_bytes == second.sent_bytes == 1 + 5 + (3 << 20)
+
+
+def test_exchanges_may_arrive_before_the_local_start_and_finish_in_any_order():
+    first, second = connected_pair()
+    early = [second.start(bytes([k]) * 7) for k in range(3)]
+    late = [first.start(bytes([10 + k]) * 7) for k in range(3)]
+    assert early == late == [0, 1, 2]
+    for seq in (2, 0, 1):
+        got = first.finish(seq)
+        assert got[0].tolist() == [10 + seq] * 7 and got[1].tolist() == [seq] * 7
+
+
+def test_a_closed_peer_fails_the_wait_instead_of_hanging():
+    a, b = socket.socketpair()
+    end = ByteExchange(0, 2, {1: a})
+    seq = end.start(b"x")
+    b.close()
+    with pytest.raises(RuntimeError, match="connection failed"):
+        end.finish(seq, timeout_s=30)
+
+
+def test_a_silent_peer_times_out():
+    a, _b = socket.socketpair()
+    end = ByteExchange(0, 2, {1: a})
+    with pytest.raises(TimeoutError, match="exchange 0"):
+        end.finish(end.start(b"x"), timeout_s=0.2)
+
+
+METHODS = [
+    ("psum", {}, {}),
+    ("psum-f32", {}, {}),
+    ("ring", {}, {"schedule": "one-shot"}),
+    ("equarx-int8", {"min_size_bytes": 0}, {"schedule": "one-shot"}),
+    ("equarx-int8", {"min_size_bytes": 0, "kernel": "jnp"}, {"schedule": "one-shot"}),
+    ("equarx-int8", {"min_size_bytes": 0, "rotation": None}, {"schedule": "one-shot"}),
+    ("equarx-int8", {"min_size_bytes": 0, "bidirectional": True}, {"schedule": "one-shot"}),
+]
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize(("name", "options", "reference"), METHODS)
+def test_the_one_shot_form_gives_the_bits_of_the_one_shot_schedule(n, name, options, reference):
+    """Its payload all-gathered by XLA and combined: the method's one-shot all-reduce, bit for
+    bit, the same on every device (a message whose size needs padding: 3 x 100 x 640)."""
+    ar = get_all_reduce(name, **options)
+    own = (
+        get_all_reduce(name, **{**options, **reference, "bidirectional": False})
+        if reference
+        else ar
+    )
+    x = jax.random.normal(jax.random.key(n), (n, 3, 100, 640), jnp.float32).astype(jnp.bfloat16)
+
+    def via_parts(b):
+        parts = ar.one_shot_parts(b[0], n)
+        return parts.combine(lax.all_gather(parts.payload, "tp"))[None]
+
+    def run(body):
+        program = jax.shard_map(body, mesh=mesh_of(n), in_specs=P("tp"), out_specs=P("tp"))
+        return np.asarray(jax.jit(program)(x).astype(jnp.float32))
+
+    got = run(via_parts)
+    np.testing.assert_array_equal(got, run(lambda b: own(b[0], "tp")[None]))
+    for device in range(1, n):
+        np.testing.assert_array_equal(got[device], got[0])
+
+
+@pytest.fixture
+def several_processes_on(monkeypatch):
+    """As in a run of several processes, one device each, whose link measured `bits_per_s`."""
+
+    def on(bits_per_s: float | None) -> None:
+        monkeypatch.setattr(exchange, "available", lambda: True)
+        link = None if bits_per_s is None else transport.LinkEstimate(bits_per_s, 2, 0.1, 0.001)
+        monkeypatch.setattr(transport, "link", lambda: link)
+
+    return on
+
+
+def test_auto_chunks_overlap_only_several_processes_on_a_slow_link(several_processes_on):
+    assert overlap.auto_chunks(2048) == 1  # this process alone: nothing to overlap
+    several_processes_on(3e8)
+    assert overlap.auto_chunks(2048) == overlap.AUTO_CHUNKS
+    # chunks of at least AUTO_MIN_CHUNK_TOKENS; short prompts whole
+    assert overlap.auto_chunks(4 * overlap.AUTO_MIN_CHUNK_TOKENS) == 4
+    assert overlap.auto_chunks(overlap.AUTO_MIN_CHUNK_TOKENS + 1) == 1
+    several_processes_on(10e9)  # loopback
+    assert overlap.auto_chunks(2048) == 1
+    several_processes_on(None)  # assumed: no link
+    assert overlap.auto_chunks(2048) == 1
+
+
+def test_the_chunk_count_argument_takes_auto():
+    assert chunks_or_auto("auto") == "auto" and chunks_or_auto("4") == 4
+    with pytest.raises(ValueError, match="integer >= 1"):
+        chunks_or_auto("0")
