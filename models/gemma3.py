@@ -38,17 +38,21 @@ choice is made per call site from the message's static shape. The cost is memory
 row-parallel weights twice (+71 MB for 270M in bf16; a quarter to a third more for the
 larger sizes); `fold_rotation=False` on the all-reduce keeps one copy and rotates inside it.
 
-Overlap (`overlap_chunks` K > 1, off by default): a prefill's layers run everything after
-the attention itself (the row-parallel output projection and its all-reduce, the norms and
-residuals, the MLP and its all-reduce) on K chunks of the tokens, each chunk's work depending
-on its own all-reduces only, so one chunk's all-reduce can be on the wire while the next
-chunk's matmuls run (where the backend runs a collective beside independent compute). The
-attention and the next layer's projections see all tokens at once. Every operation is per
-token, so the values are those of the unchunked model up to the rounding of the per-chunk
-matmuls; the whole message, not a chunk, decides the size gate and the folded rotation, so a
-chunked prefill quantizes exactly the messages the unchunked one does. Decode steps (one token)
-and traced programs (`capture`: one record per all-reduce) are never chunked, nor a prompt of
-fewer than 2 `MIN_CHUNK_TOKENS` (fewer chunks when the chunks would be shorter).
+Overlap (`overlap_chunks` K > 1; "auto", the default, chooses K > 1 only where it pays:
+several CPU processes on a slow measured link, `collectives.overlap.auto_chunks`): a
+prefill's layers run on K chunks of the tokens, chunk k of a layer needing only chunk k of
+the layer before it (its queries see the keys of chunks <= k), so one chunk's all-reduce can
+be on the wire while the next chunk's matmuls run, into the next layer. Each all-reduce is
+started as soon as its partial sums exist and waited for where its result is needed
+(`collectives.overlap`): on CPU across processes its bytes move beside XLA on threads of their
+own (`collectives.exchange`), on TPU and GPU XLA's asynchronous collectives overlap it from the
+same structure. Every operation is per token or (the attention) over the same keys, so the
+values at real tokens are those of the unchunked model up to rounding (per-chunk matmuls,
+softmax sums over a chunk's keys); the whole message, not a chunk, decides the size gate and
+the folded rotation, so a chunked prefill quantizes exactly the messages the unchunked one
+does. Decode steps (one token) and traced programs (`capture`: one record per all-reduce) are
+never chunked, nor a prompt of fewer than 2 `MIN_CHUNK_TOKENS` (fewer chunks when the chunks
+would be shorter).
 
 The Flax modules below are written for one device's shard (their sizes are the local ones) and
 run inside `jax.shard_map`; `TensorParallelGemma3` wraps them in `jit(shard_map(...))`:
@@ -75,7 +79,8 @@ import dataclasses
 import functools
 import itertools
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Literal
 
 import flax
 import jax
@@ -85,8 +90,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.collectives import AllReduce, get_all_reduce, overlap
 from equarx_serve.collectives.hadamard import HadamardRotation
+from equarx_serve.collectives.overlap import Started
 from equarx_serve.kernels import head_gemv
 from models import vocab_parallel
 from models.attention import local_attention, local_decode_attention, masked_attention
@@ -99,6 +105,9 @@ AXIS = "tp"
 ROW_PARALLEL_WEIGHTS = (("attn", "attn_vec_einsum", "w"), ("mlp", "linear"))
 ROTATED = "_rotated"
 TRACE = "all_reduce_trace"  # Flax collection of the all-reduce records (`reduce_and_trace`)
+# A token chunk's input to a block in an overlapped prefill: given the newest all-reduce
+# started, the chunk's values (`Block.chunked`).
+ChunkSource = Callable[[Started | None], jax.Array]
 MIN_CHUNK_TOKENS = 16  # the shortest token chunk of an overlapped prefill (`overlap_chunks`)
 
 LayerCache = dict[str, jax.Array]  # {"k", "v"}: [B, L, K_local, H], after QK-norm and RoPE
@@ -370,7 +379,7 @@ class RowParallelReduction:
 
     all_reduce: AllReduce
     folded: bool = False
-    overlap_chunks: int = 1
+    overlap_chunks: int | Literal["auto"] = 1
 
     def rotated(self, message_shape: tuple[int, ...], dtype: jnp.dtype) -> bool:
         """Whether a message of this shape is computed with the rotated weights (and reduced
@@ -383,7 +392,10 @@ class RowParallelReduction:
     def chunk_bounds(self, num_tokens: int) -> list[tuple[int, int]]:
         """[start, stop) of each token chunk of a prefill of `num_tokens`: `overlap_chunks`
         near-equal ones of at least `MIN_CHUNK_TOKENS`, fewer for short prompts (one: whole)."""
-        count = max(1, min(self.overlap_chunks, num_tokens // MIN_CHUNK_TOKENS))
+        chunks = self.overlap_chunks
+        if chunks == "auto":
+            chunks = overlap.auto_chunks(num_tokens)
+        count = max(1, min(chunks, num_tokens // MIN_CHUNK_TOKENS))
         edges = [num_tokens * i // count for i in range(count + 1)]
         return list(itertools.pairwise(edges))
 
@@ -406,14 +418,13 @@ class ChunkReduction:
     all_reduce: AllReduce
     rotated: bool
 
-    def reduce(self, partial: jax.Array, axis_name: str, after: jax.Array | None) -> jax.Array:
-        """The all-reduce of `partial`, started only once `after` (the output of the all-reduce
-        before it, if any) is ready. The chain fixes the order of a layer's chunk all-reduces
-        and keeps XLA from combining independent ones into one (which would wait for all their
-        inputs and leave nothing to overlap); the compute between them is not held back."""
-        if after is not None:
-            partial, _ = lax.optimization_barrier((partial, after))
-        return self.all_reduce(partial, axis_name)
+    def start(self, partial: jax.Array, axis_name: str, previous: Started | None) -> Started:
+        """The all-reduce of `partial`, started behind `previous` (the layer's all-reduce
+        started before it, if any): the chain fixes the order of a layer's chunk all-reduces,
+        the same on every device, and keeps XLA from combining independent ones into one (which
+        would wait for all their inputs and leave nothing to overlap). See
+        `collectives.overlap`."""
+        return overlap.start_all_reduce(self.all_reduce, partial, axis_name, previous)
 
 
 def reduce_and_trace(module: nn.Module, partial: jax.Array, rotated: bool) -> jax.Array:
@@ -564,38 +575,78 @@ class Attention(nn.Module):
     ) -> tuple[LayerCache, jax.Array]:
         """As `__call__`, up to the row-parallel projection: (cache, this device's heads'
         attention output [B, T, N, H])."""
+        query, cache = self._project(x, positions)
+        encoded = self._attend(
+            query, cache, positions, attn_mask, input_mask, local=self._local, decoding=False
+        )
+        return cache, encoded
+
+    @property
+    def _local(self) -> bool:
+        return self.attn_type == AttentionType.LOCAL_SLIDING
+
+    def _project(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, LayerCache]:
+        """x [B, T, D], positions [B, T] -> (query [B, T, N, H], {"k", "v"} [B, T, K, H]),
+        normed and rotary-embedded."""
         c = self.config
-        local = self.attn_type == AttentionType.LOCAL_SLIDING
-        rope = rope_settings(c, local)
+        rope = rope_settings(c, self._local)
         if self.use_qkv_einsum:
-            # [B, L, N, H] each
+            # [B, T, N, H] each
             query, key, value = self.qkv_einsum("BTD,CNDH->CBTNH", x)
         else:
-            query = self.q_einsum("BTD,NDH->BTNH", x)  # [B, L, N, H]
-            key, value = self.kv_einsum("BSD,CKDH->CBSKH", x)  # [B, L, K, H] each
-
+            query = self.q_einsum("BTD,NDH->BTNH", x)  # [B, T, N, H]
+            key, value = self.kv_einsum("BSD,CKDH->CBSKH", x)  # [B, T, K, H] each
         if c.use_qk_norm:
             query = self._query_norm(query)
             key = self._key_norm(key)
         query = apply_rope(query, positions, **rope) * c.query_scale
         key = apply_rope(key, positions, **rope)
-        cache = {"k": key, "v": value}
-        encoded = self._attend(
-            query, cache, positions, attn_mask, input_mask, local=local, decoding=False
+        return query, {"k": key, "v": value}
+
+    def attend_chunk(
+        self,
+        x: jax.Array,
+        earlier: LayerCache | None,
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        bounds: tuple[int, int],
+    ) -> tuple[LayerCache, jax.Array]:
+        """`attend` for the tokens [a, b) = `bounds` of a prefill (x [B, b - a, D]) given the
+        keys and values of the tokens before them (`earlier`, [B, a, K, H]; None for a = 0):
+        (the keys and values of tokens [0, b), this device's heads' attention output
+        [B, b - a, N, H]). Its queries see keys [0, b) under `attn_mask` [B, L, L] (a local
+        layer only the last `sliding_window_size` positions of them: rows are contiguous), so
+        a chunk needs nothing of the later tokens."""
+        a, b = bounds
+        query, own = self._project(x, positions[:, a:b])
+        cache = (
+            own
+            if earlier is None
+            else jax.tree.map(lambda old, new: jnp.concatenate([old, new], axis=1), earlier, own)
         )
-        return cache, encoded
+        first = 0
+        mask = attn_mask[:, a:b, :b]  # [B, T, b]
+        if self._local:
+            window = self.config.sliding_window_size
+            first = max(0, a - window + 1)
+            mask = mask * sliding_window_mask(positions[:, a:b], window, positions[:, :b])
+        key = self._kv_for_local_heads(cache["k"][:, first:])
+        value = self._kv_for_local_heads(cache["v"][:, first:])
+        softcap = self.config.attn_logits_softcap
+        return cache, masked_attention(query, key, value, mask[..., first:], softcap=softcap)
 
     def project(
         self,
         encoded: jax.Array,
         chunk: ChunkReduction | None = None,
-        after: jax.Array | None = None,
-    ) -> jax.Array:
+        previous: Started | None = None,
+    ) -> jax.Array | Started:
         """Row-parallel: this device's heads' share of the output [B, T, N, H] -> [B, T, D],
-        summed over devices (one chunk of the tokens with `chunk.reduce`, untraced)."""
+        summed over devices (one chunk of the tokens, untraced: started with `chunk.start`
+        behind `previous`)."""
         if chunk is not None:
             partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded, rotated=chunk.rotated)
-            return chunk.reduce(partial, self.axis_name, after)
+            return chunk.start(partial, self.axis_name, previous)
         b, t = encoded.shape[:2]
         rotated = self.reduction.rotated((b, t, self.config.embed_dim), encoded.dtype)
         partial = self.attn_vec_einsum("BTNH,NHD->BTD", encoded, rotated=rotated)  # [B, T, D]
@@ -627,9 +678,10 @@ class FeedForward(nn.Module):
 
     @nn.compact
     def __call__(
-        self, x: jax.Array, chunk: ChunkReduction | None = None, after: jax.Array | None = None
-    ) -> jax.Array:
-        """x [B, L, D] -> [B, L, D] (one chunk of the tokens with `chunk.reduce`, untraced)."""
+        self, x: jax.Array, chunk: ChunkReduction | None = None, previous: Started | None = None
+    ) -> jax.Array | Started:
+        """x [B, L, D] -> [B, L, D] (one chunk of the tokens, untraced: started with
+        `chunk.start` behind `previous`)."""
         d, f = self.config.embed_dim, self.layout.hidden_dim
         init = nn.initializers.normal()
         if self.config.transpose_gating_einsum:
@@ -647,7 +699,7 @@ class FeedForward(nn.Module):
         w_linear = self.param("linear" + ROTATED if rotated else "linear", init, (f, d))
         partial = jnp.einsum("BTF,FD->BTD", activations, w_linear)  # [B, T, D]
         if chunk is not None:
-            return chunk.reduce(partial, self.axis_name, after)
+            return chunk.start(partial, self.axis_name, previous)
         return reduce_and_trace(self, partial, rotated)
 
 
@@ -677,39 +729,58 @@ class Block(nn.Module):
         input_mask: jax.Array | None = None,
     ) -> tuple[LayerCache, jax.Array]:
         """A prefill: x [B, L, D] (replicated) -> (cache, [B, L, D] replicated); decode steps
-        run `Gemma3Shard._decode_block` instead. A prefill with `overlap_chunks` > 1
-        (untraced) runs everything after the attention itself chunk by chunk (see "Overlap" in
-        the module doc)."""
+        run `Gemma3Shard._decode_block` instead, and a prefill in token chunks `chunked`."""
         normed = self.pre_attention_norm(x)
-        bounds = self.reduction.chunk_bounds(x.shape[1])
-        if len(bounds) == 1 or self.is_mutable_collection(TRACE):
-            cache, attn_output = self.attn(normed, positions, attn_mask, input_mask)
-            attn_output = self._attention_residual(x, attn_output)
-            return cache, self._mlp_residual(attn_output, self.mlp(self.pre_ffw_norm(attn_output)))
-        cache, encoded = self.attn.attend(normed, positions, attn_mask, input_mask)
-        return cache, self._chunked(x, encoded, bounds)
+        cache, attn_output = self.attn(normed, positions, attn_mask, input_mask)
+        attn_output = self._attention_residual(x, attn_output)
+        return cache, self._mlp_residual(attn_output, self.mlp(self.pre_ffw_norm(attn_output)))
 
-    def _chunked(
-        self, x: jax.Array, encoded: jax.Array, bounds: list[tuple[int, int]]
-    ) -> jax.Array:
-        """The block after its attention (`encoded` [B, L, N, H]), chunk by chunk over the
-        tokens. The all-reduces run in the order attn 0, attn 1, mlp 0, attn 2, mlp 1, ...,
-        mlp K-1 (`ChunkReduction.reduce`), so that while one is on the wire the MLP of a chunk
-        whose attention output is already reduced can run."""
-        chunk = self.reduction.for_chunks(x.shape, x.dtype)  # a message is [B, L, D], as x
+    def chunked(
+        self,
+        inputs: list[ChunkSource],
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        bounds: list[tuple[int, int]],
+        message: jax.ShapeDtypeStruct,
+        last: Started | None,
+    ) -> tuple[LayerCache, list[ChunkSource], Started | None]:
+        """The block on the token chunks `bounds` of a prefill (see "Overlap" in the module
+        doc): `inputs[k](last)` is chunk k's input [B, T_k, D] (the previous block's output,
+        waited for only once `last`, the newest all-reduce started, has started);
+        `message` is one whole all-reduce message [B, L, D]. Returns (the cache, as `__call__`
+        gives it; each chunk's output as a source for the next block; the newest all-reduce
+        started). Per chunk k: its input, attention (keys and values of chunks <= k) and
+        output projection, then the MLP of chunk k - 1 (once its attention output is
+        reduced): all-reduces start in the order attn 0, attn 1, mlp 0, attn 2, mlp 1, ...,
+        mlp K-1, each behind the one before, so while one is on the wire the next chunk's
+        compute runs, into the next block's first chunks (`collectives.overlap`)."""
+        chunk = self.reduction.for_chunks(message.shape, message.dtype)
         count = len(bounds)
-        residuals, outputs = [], []
-        after = None  # the last all-reduce's output
+        cache: LayerCache | None = None
+        xs: list[jax.Array] = []
+        attn_started: list[Started] = []
+        outputs: list[ChunkSource] = []
         for step in range(count + 1):
             if step < count:
-                a, b = bounds[step]
-                after = self.attn.project(encoded[:, a:b], chunk, after)
-                residuals.append(self._attention_residual(x[:, a:b], after))
+                xs.append(inputs[step](last))
+                normed = overlap.behind(self.pre_attention_norm(xs[-1]), last)
+                cache, encoded = self.attn.attend_chunk(
+                    normed, cache, positions, attn_mask, bounds[step]
+                )
+                last = self.attn.project(encoded, chunk, last)
+                attn_started.append(last)
             if step > 0:
-                residual = residuals[step - 1]
-                after = self.mlp(self.pre_ffw_norm(residual), chunk, after)
-                outputs.append(self._mlp_residual(residual, after))
-        return jnp.concatenate(outputs, axis=1)
+                attn_output = attn_started[step - 1].result(after=last.token)
+                residual = self._attention_residual(xs[step - 1], attn_output)
+                normed = overlap.behind(self.pre_ffw_norm(residual), last)
+                last = self.mlp(normed, chunk, last)
+                outputs.append(functools.partial(self._chunk_output, residual, last))
+        return cache, outputs, last
+
+    def _chunk_output(self, residual: jax.Array, started: Started, last: Started | None):
+        """A chunk's output: its MLP residual, the MLP's all-reduce waited for once `last`
+        has started."""
+        return self._mlp_residual(residual, started.result(None if last is None else last.token))
 
     def _attention_residual(self, x: jax.Array, attn_output: jax.Array) -> jax.Array:
         if self.post_attention_norm is not None:
@@ -751,14 +822,36 @@ class Gemma3Shard(nn.Module):
         x = self.embedder.encode(tokens)  # [B, L, D]
         positions = positions_from_mask(input_mask)  # [B, L]
         attn_mask = causal_attention_mask(input_mask)  # [B, L, L]
-        cache = {}
-        for i, block in enumerate(self.blocks):
-            cache[f"layer_{i}"], x = block(x, positions, attn_mask, input_mask)
+        bounds = self.reduction.chunk_bounds(x.shape[1])
+        if len(bounds) > 1 and not self.is_mutable_collection(TRACE):
+            cache, x = self._chunked(x, positions, attn_mask, bounds)
+        else:
+            cache = {}
+            for i, block in enumerate(self.blocks):
+                cache[f"layer_{i}"], x = block(x, positions, attn_mask, input_mask)
         x = self.final_norm(x)
 
         if last_only:
             x = x[jnp.arange(x.shape[0]), last_token_index(input_mask)]  # [B, D]
         return self.embedder.decode(x), cache
+
+    def _chunked(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        attn_mask: jax.Array,
+        bounds: list[tuple[int, int]],
+    ) -> tuple[dict[str, LayerCache], jax.Array]:
+        """The blocks on the token chunks `bounds` (`Block.chunked`), each block's chunk k
+        taking the previous block's chunk k as soon as it is reduced: (cache, [B, L, D])."""
+        message = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        sources: list[ChunkSource] = [lambda last, a=a, b=b: x[:, a:b] for a, b in bounds]
+        cache, last = {}, None
+        for i, block in enumerate(self.blocks):
+            cache[f"layer_{i}"], sources, last = block.chunked(
+                sources, positions, attn_mask, bounds, message, last
+            )
+        return cache, jnp.concatenate([source(last) for source in sources], axis=1)
 
     def decode(
         self, tokens: jax.Array, lengths: jax.Array, cache: dict[str, LayerCache]
@@ -911,9 +1004,9 @@ class TensorParallelGemma3:
     outputs with `all_reduce` (a registered name, e.g. "psum", "equarx-int8", or an instance).
 
     `rotation` is the all-reduce's input rotation folded into the row-parallel weights (see
-    the module doc), or None: then parameters run as they are. `overlap_chunks` > 1 splits a
-    prefill's row-parallel sections into that many token chunks (see "Overlap" in the module
-    doc; 1, the default: whole messages).
+    the module doc), or None: then parameters run as they are. `overlap_chunks` > 1 runs a
+    prefill's layers on that many token chunks (see "Overlap" in the module doc); 1: whole
+    messages; "auto" (the default): chunks where they pay (`collectives.overlap.auto_chunks`).
 
     Compiled functions are cached per instance (one per `last_only`, retraced per input
     shape/dtype), so reuse an instance.
@@ -926,14 +1019,16 @@ class TensorParallelGemma3:
         all_reduce: str | AllReduce = "psum",
         *,
         axis_name: str = AXIS,
-        overlap_chunks: int = 1,
+        overlap_chunks: int | Literal["auto"] = "auto",
     ):
-        if (
+        if overlap_chunks != "auto" and (
             not isinstance(overlap_chunks, int)
             or isinstance(overlap_chunks, bool)
             or (overlap_chunks < 1)
         ):
-            raise ValueError(f"overlap_chunks must be an int >= 1, got {overlap_chunks!r}")
+            raise ValueError(
+                f"overlap_chunks must be an int >= 1 or 'auto', got {overlap_chunks!r}"
+            )
         if axis_name not in mesh.axis_names:
             raise ValueError(f"mesh has no axis {axis_name!r}; its axes: {mesh.axis_names}")
         self.config = config

@@ -57,13 +57,16 @@ def model_and_params(all_reduce: str, chunks: int, dtype=jnp.float32, **options)
 
 @functools.cache
 def prefill(all_reduce: str, chunks: int, dtype=jnp.float32, **options):
-    """(logits [B, L, V] at real tokens as f32 numpy, cache, compiled HLO of the layers)."""
+    """(logits [B, L, V] and the cache [B, L, K, H] at real tokens as f32 numpy, compiled HLO
+    of the layers). A padding token's entries are never read (a decode step overwrites them
+    before any query sees them) and differ: a chunk's padding queries see only its keys."""
     model, placed = model_and_params(all_reduce, chunks, dtype, **options)
     tokens, mask = batch()
     out = model(placed, tokens, mask)
     logits = np.asarray(model.gathered(out.logits), np.float32)
     hlo = model._forward[False, False].lower(placed, tokens, mask).compile().as_text()
-    return logits[mask], jax.tree.map(np.asarray, out.cache), layers_hlo(hlo)
+    cache = jax.tree.map(lambda a: np.asarray(a, np.float32)[mask], out.cache)
+    return logits[mask], cache, layers_hlo(hlo)
 
 
 def quantized_transfers(hlo: str) -> int:
@@ -79,11 +82,9 @@ def rel_rms(a: np.ndarray, b: np.ndarray) -> float:
 def test_overlap_gives_the_logits_and_cache_of_whole_messages(all_reduce):
     whole, whole_cache, _ = prefill(all_reduce, 1)
     chunked, chunked_cache, _ = prefill(all_reduce, CHUNKS)
-    # Every operation is per token: only the per-chunk matmuls' rounding differs.
+    # Every operation is per token or (attention) over the same keys: only the per-chunk
+    # matmuls' rounding differs.
     np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=1e-5)
-    # The first layer's cache is computed before any chunk (the next ones from the chunked
-    # layers' outputs).
-    jax.tree.map(np.testing.assert_array_equal, chunked_cache["layer_0"], whole_cache["layer_0"])
     close = functools.partial(np.testing.assert_allclose, atol=1e-5, rtol=1e-5)
     jax.tree.map(close, chunked_cache, whole_cache)
 

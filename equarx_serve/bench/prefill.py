@@ -48,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from equarx_serve.arguments import UsageError, argument_type, int_at_least
+from equarx_serve.arguments import UsageError, argument_type, chunks_or_auto, int_at_least
 from equarx_serve.bench import links, provenance
 from equarx_serve.bench.allreduce import or_dash, percent, resolve_methods
 from equarx_serve.collectives.registry import MethodSpec, parse_method
@@ -104,7 +104,8 @@ class PrefillBenchConfig:
     coordinator: str | None = None
     process_id: int = 0
     link: Link | None = None  # with processes: on emulated hosts joined by this link
-    overlap_chunks: tuple[int, ...] = (1,)  # token chunks of the overlap (1: none) to measure
+    # token chunks of the overlap to measure (1: none; "auto": the engines' default)
+    overlap_chunks: tuple[int | str, ...] = (1,)
 
 
 def _validate(config: PrefillBenchConfig) -> list[dict[str, object]]:
@@ -501,11 +502,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--overlap-chunks",
         nargs="+",
-        type=argument_type(int_at_least(1)),
+        type=argument_type(chunks_or_auto),
         default=[1],
         metavar="K",
-        help="also measure every method with its layers' row-parallel sections on K token "
-        "chunks (all-reduce/compute overlap), rows METHOD/overlap=K (default: 1, none)",
+        help="also measure every method with its layers on K token chunks whose all-reduces "
+        "overlap compute, rows METHOD/overlap=K; 'auto': the count the engines' default "
+        "chooses for this run (default: 1, none)",
     )
     links.add_arguments(parser, argument_type)
     hosts = parser.add_argument_group(
@@ -548,7 +550,7 @@ def config_from_args(args: argparse.Namespace) -> PrefillBenchConfig:
         plot_path=args.plot,
         seed=args.seed,
         link=link,
-        overlap_chunks=tuple(sorted({1, *args.overlap_chunks})),
+        overlap_chunks=tuple(dict.fromkeys([1, *args.overlap_chunks])),
         coordinator=args.coordinator,
         process_id=args.process_id,
     )

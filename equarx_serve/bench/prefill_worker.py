@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
+from equarx_serve.arguments import chunks_or_auto
 from equarx_serve.bench.allreduce_worker import (
     RESULT_MARKER,
     gather_processes,
@@ -51,7 +52,7 @@ from equarx_serve.bench.allreduce_worker import (
     time_side_by_side,
 )
 from equarx_serve.bench.hlo_bytes import COLLECTIVE_KINDS, collective_wire_bytes
-from equarx_serve.collectives import AllReduce, get_all_reduce
+from equarx_serve.collectives import AllReduce, exchange, get_all_reduce, overlap
 from equarx_serve.distributed import multiprocess
 from equarx_serve.generation.prefill import PrefillEngine
 from models.gemma3 import layers_hlo
@@ -80,6 +81,9 @@ class NoReduce(AllReduce):
 
     def wire_bytes(self, num_elements: int, dtype: jnp.dtype, axis_size: int) -> int:
         return 0
+
+    def one_shot_parts(self, x: jax.Array, axis_size: int) -> None:
+        return None  # nothing to exchange
 
 
 def random_prompts(
@@ -119,7 +123,7 @@ def measure(
     seed: int,
     checkpoint: str | None = None,
     tokenizer: str | None = None,
-    overlap_chunks: Sequence[int] = (1,),
+    overlap_chunks: Sequence[int | str] = (1,),
 ) -> dict[str, object]:
     """Times every method (dicts of label, name, options) and no-reduce, at every chunk count
     of `overlap_chunks`; see module doc."""
@@ -134,7 +138,8 @@ def measure(
     num_elements = batch * bucket * config.embed_dim  # one all-reduce message, per device
     num_reductions = 2 * config.num_layers  # attention output and MLP output of every layer
 
-    all_chunks = sorted({1, *overlap_chunks})
+    auto = overlap.auto_chunks(bucket)  # what "auto" (the engines' default) runs here
+    all_chunks = sorted({1, *(auto if chunks == "auto" else chunks for chunks in overlap_chunks)})
     engines, chunks_of = _engines(base, methods, all_chunks)
     inputs = _Inputs(tokens, mask, bucket, batch, num_elements, num_reductions)
     programs, rows = {}, {}
@@ -181,6 +186,7 @@ def measure(
         "peak_rss_mib": [round(float(m), 1) for m in peak_mib],
         "no_reduce": no_reduce.pop("1"),  # the compute alone, whole messages
         "no_reduce_overlap": no_reduce,  # {"K": the same, on K token chunks}, K > 1
+        "auto_overlap_chunks": auto,  # the chunks overlap_chunks="auto" chose for this run
         "rows": list(rows.values()),
     }
 
@@ -224,8 +230,11 @@ def _compile_and_check(
     hlo = layers_hlo(program.hlo_text())  # the all-reduces, not the vocab-parallel head's
     hlo_bytes = collective_wire_bytes(hlo, tp)
     ar = engine.all_reduce
+    exchanged = exchange.sent_bytes()
     split = program.compiled(engine.params, inputs.tokens, inputs.mask).logits
     logits = np.asarray(engine.model.gathered(split).addressable_data(0), np.float32)
+    if exchanged_bytes := exchange.sent_bytes() - exchanged:  # beside XLA (`overlap`)
+        hlo_bytes["exchange"] = exchanged_bytes
     reference = logits if reference is None else reference
     err = logits - reference
     reductions = 0 if isinstance(ar, NoReduce) else inputs.num_reductions
@@ -263,7 +272,7 @@ def command(
     seed: int,
     checkpoint: str | None = None,
     tokenizer: str | None = None,
-    overlap_chunks: Sequence[int] = (1,),
+    overlap_chunks: Sequence[int | str] = (1,),
 ) -> list[str]:
     """The command line that runs this module (process flags are added by the launcher)."""
     args = ["--model", model, "--methods", json.dumps(list(methods))]
@@ -287,7 +296,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--devices", type=int, help="N host devices in this one process")
     parser.add_argument("--repeats", type=int, help="timed rounds (default: adaptive)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overlap-chunks", type=int, nargs="+", default=[1])
+    parser.add_argument("--overlap-chunks", type=chunks_or_auto, nargs="+", default=[1])
     parser.add_argument("--checkpoint")
     parser.add_argument("--tokenizer")
     multiprocess.add_process_flags(parser)

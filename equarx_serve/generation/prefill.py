@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -109,9 +109,10 @@ class PrefillEngine:
       mesh: A mesh with axis "tp" of size `tp` (default: 1-D over `jax.devices()[:tp]`).
       dtype: Cast the parameters to this dtype (default: keep theirs).
       max_length: The longest prompt accepted (the last bucket).
-      overlap_chunks: Split a prefill's row-parallel sections into this many token chunks, so
-        one chunk's all-reduce can overlap the next chunk's compute (`models.gemma3`,
-        "Overlap"); 1 (default): whole messages.
+      overlap_chunks: Run a prefill's layers on this many token chunks, so that one chunk's
+        all-reduce is on the wire while the next chunk computes (`models.gemma3`, "Overlap");
+        1: whole messages; "auto" (default): chunks where they pay, chosen by the run
+        (`collectives.overlap.auto_chunks`: several CPU processes on a slow measured link).
     """
 
     def __init__(
@@ -124,7 +125,7 @@ class PrefillEngine:
         mesh: Mesh | None = None,
         dtype: jnp.dtype | None = None,
         max_length: int = DEFAULT_MAX_LENGTH,
-        overlap_chunks: int = 1,
+        overlap_chunks: int | Literal["auto"] = "auto",
         _sharded: bool = False,
         _folds: dict[HadamardRotation, Params] | None = None,
     ):
@@ -179,7 +180,7 @@ class PrefillEngine:
         return self._folds[rotation]
 
     def with_all_reduce(
-        self, all_reduce: str | AllReduce, *, overlap_chunks: int | None = None
+        self, all_reduce: str | AllReduce, *, overlap_chunks: int | Literal["auto"] | None = None
     ) -> PrefillEngine:
         """The same model and (already sharded) parameters on another all-reduce (and with
         `overlap_chunks` if given, else this engine's)."""
@@ -210,7 +211,7 @@ class PrefillEngine:
         *,
         dtype: jnp.dtype | None = jnp.bfloat16,
         max_length: int = DEFAULT_MAX_LENGTH,
-        overlap_chunks: int = 1,
+        overlap_chunks: int | Literal["auto"] = "auto",
     ) -> PrefillEngine:
         """An engine for the config named `model`: with `checkpoint` (an orbax folder) and
         `tokenizer` (its SentencePiece .model), those weights; else "gemma3-270m" loads the
