@@ -169,9 +169,10 @@ def _run_worker(
 
 
 def add_comparisons(result: dict[str, object]) -> None:
-    """Adds the baseline, speedup, ar_share, ar_ms, byte_bound_efficiency, link_ms and
-    link_efficiency (None without a measured link, result["link"]) and the PROJECTION (vs
-    psum) to every row of one result. A row's compute is the no-reduce time of its own
+    """Adds the baseline, speedup, ar_share, ar_ms, byte_bound_efficiency, link_ms,
+    link_efficiency and hidden_fraction (None without a measured link, result["link"]),
+    vs_compute (over the compute alone, whole messages) and the PROJECTION (vs psum) to every
+    row of one result. A row's compute is the no-reduce time of its own
     overlap chunks (`no_reduce_time_ms`)."""
     rows = result["rows"]
     unquantized = [row for row in rows if not row["quantized"]]
@@ -189,6 +190,10 @@ def add_comparisons(result: dict[str, object]) -> None:
         row["link_ms"] = links.link_time_ms(row["wire_bytes_hlo_total"], result.get("link"))
         measurable = row["link_ms"] is not None and row["ar_ms"] > 0
         row["link_efficiency"] = row["link_ms"] / row["ar_ms"] if measurable else None
+        # With overlap, the all-reduce time the compute does not hide (ar_ms: exposed) is less
+        # than its bytes' link time: the hidden fraction is 1 - exposed / link time.
+        row["hidden_fraction"] = 1 - row["ar_ms"] / row["link_ms"] if row["link_ms"] else None
+        row["vs_compute"] = row["median_ms"] / result["no_reduce"]["median_ms"]
         row["PROJECTION"] = _projection(row, rows, result["no_reduce"]["median_ms"])
 
 
@@ -251,9 +256,9 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
         f"batch {config.batch}, last-token logits; MEASURED on CPU; speed-up vs the fastest "
         "unquantized method (*) =="
     ]
-    header = ["seq", "method", "median ms", "p10-p90 ms", "speed-up", "AR share", "AR ms",
-              "wire MiB/dev", "vs bytes", "link ms", "vs link", "reductions",
-              "HLO collectives", "logits relRMS", "top-1"]  # fmt: skip
+    header = ["seq", "method", "median ms", "p10-p90 ms", "speed-up", "vs compute",
+              "AR share", "AR ms", "wire MiB/dev", "vs bytes", "link ms", "vs link", "hidden",
+              "reductions", "HLO collectives", "logits relRMS", "top-1"]  # fmt: skip
     lines = [header]
     for r in results:
         for row in r["rows"]:
@@ -263,11 +268,11 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
             lines.append([
                 str(r["seq_len"]), label, f"{row['median_ms']:.1f}",
                 f"{row['p10_ms']:.1f}-{row['p90_ms']:.1f}", f"{row['speedup']:.3f}x",
-                f"{100 * row['ar_share']:.1f}%", f"{row['ar_ms']:.1f}",
-                f"{row['wire_bytes_hlo_total'] / 2**20:.2f}",
+                f"{row['vs_compute']:.2f}x", f"{100 * row['ar_share']:.1f}%",
+                f"{row['ar_ms']:.1f}", f"{row['wire_bytes_hlo_total'] / 2**20:.2f}",
                 percent(row["byte_bound_efficiency"]),
-                or_dash(row["link_ms"], ".1f"),
-                percent(row["link_efficiency"]), str(row["num_reductions"]), hlo,
+                or_dash(row["link_ms"], ".1f"), percent(row["link_efficiency"]),
+                percent(row["hidden_fraction"]), str(row["num_reductions"]), hlo,
                 f"{row['logits_rel_rms_vs_first']:.2e}", f"{row['top1_agree_vs_first']:.2f}",
             ])  # fmt: skip
         no_reduce = [("", r["no_reduce"])]
@@ -275,8 +280,8 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
         for suffix, nr in no_reduce:
             lines.append([
                 str(r["seq_len"]), f"(no-reduce{suffix}: compute only)", f"{nr['median_ms']:.1f}",
-                f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "0", "", "", "", "0", "",
-                "", "",
+                f"{nr['p10_ms']:.1f}-{nr['p90_ms']:.1f}", "", "", "", "", "0", "", "", "", "",
+                "0", "", "", "",
             ])  # fmt: skip
     text += _format(lines)
     gated = sorted({row["label"] for r in results for row in r["rows"] if row["gated"]})
