@@ -38,7 +38,8 @@ from equarx_serve.kernels.native import target_platform
 # `transport.measure` found a link slower than AUTO_BELOW_BITS_PER_S; else whole messages.
 # Measured (docs/decisions.md, "overlap"; bench prefill, TP = 2, 2048 tokens, 300 Mbit/s):
 # equarx-int8 3050 ms whole, 2366 ms in 4 chunks, 2089 ms in 8 (compute alone 1717 ms);
-# ring 4381, 3021, 2857 ms.
+# ring 4381, 3021, 2857 ms. The rate bound is the ring's slicing threshold, not a measurement of
+# the overlap: between 1 Gbit/s and loopback it is unmeasured.
 AUTO_CHUNKS = 8
 AUTO_MIN_CHUNK_TOKENS = 64
 AUTO_BELOW_BITS_PER_S = 2.5e9
