@@ -7,7 +7,8 @@
 Prints one JSON line: for each all-reduce and chunk count, the SHA-256 of the logits and of
 this process's KV cache shard (real tokens), their max abs difference from the unchunked run
 of the same all-reduce, the share of tokens whose top-1 agrees with it, and how many callbacks
-(the exchange's) the program has.
+(the exchange's) the program has; and for every chunked run, one more prefill's exchanges as
+`bench prefill`'s timeline records them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from equarx_serve.bench import prefill_timeline
 from equarx_serve.collectives import get_all_reduce
 from equarx_serve.distributed import multiprocess
 from models.config import get_config
@@ -71,6 +73,17 @@ def main() -> None:
             cache = np.concatenate([local(a)[mask].ravel() for a in jax.tree.leaves(out.cache)])
             text = model._forward[False, False].lower(placed, tokens, mask).as_text()
             whole = whole or (logits, cache)
+            if chunks > 1:
+                run = lambda model=model, placed=placed: jax.block_until_ready(
+                    model(placed, tokens, mask).logits
+                )
+                times = prefill_timeline.record(run)
+                report[f"{name}/{chunks}/timeline"] = {
+                    "exchanges": len(times),
+                    "ordered": bool(
+                        np.all(times[:, 0] <= times[:, 3]) & np.all(times[:, 2] <= times[:, 3])
+                    ),
+                }
             report[f"{name}/{chunks}"] = {
                 "logits_sha256": hashlib.sha256(logits.tobytes()).hexdigest(),
                 "cache_sha256": hashlib.sha256(cache.tobytes()).hexdigest(),

@@ -865,3 +865,17 @@ def test_the_default_runs_the_codec_it_resolves_to(n: int):
     np.testing.assert_array_equal(
         run_all_reduce(default, x, n), run_all_reduce(default.for_axis_size(n), x, n)
     )
+
+
+@pytest.mark.parametrize(("bits_per_s", "gate"), [(None, 1 << 20), (10e9, 1 << 20), (0.3e9, 0)])
+def test_the_auto_gate_quantizes_every_message_on_a_slow_link(monkeypatch, bits_per_s, gate):
+    """min_size_bytes="auto": the loopback-measured gate, except on a slow measured link."""
+    link = None if bits_per_s is None else LinkEstimate(bits_per_s, 2, 0.1, 0.001)
+    monkeypatch.setattr(transport, "link", lambda: link)
+    ar = get_all_reduce("equarx-int8")
+    assert ar.gate_bytes() == gate == ar.with_rotated_input().gate_bytes()
+    assert ar.is_gated(1000, jnp.bfloat16) == (gate > 0)
+    explicit = get_all_reduce("equarx-int8", min_size_bytes=4096)
+    assert explicit.gate_bytes() == 4096  # a given gate holds on any link
+    with pytest.raises(ValueError, match="int >= 0 or 'auto'"):
+        get_all_reduce("equarx-int8", min_size_bytes="never")

@@ -6,6 +6,7 @@ by default (`overlap.auto_chunks`)."""
 from __future__ import annotations
 
 import socket
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from equarx_serve.arguments import chunks_or_auto
+from equarx_serve.bench import prefill_timeline
 from equarx_serve.collectives import exchange, get_all_reduce, overlap, transport
 from equarx_serve.collectives.exchange import ByteExchange
 
@@ -116,9 +118,12 @@ def test_auto_chunks_overlap_only_several_processes_on_a_slow_link(several_proce
     assert overlap.auto_chunks(2048) == 1  # this process alone: nothing to overlap
     several_processes_on(3e8)
     assert overlap.auto_chunks(2048) == overlap.AUTO_CHUNKS
-    # chunks of at least AUTO_MIN_CHUNK_TOKENS; short prompts whole
-    assert overlap.auto_chunks(4 * overlap.AUTO_MIN_CHUNK_TOKENS) == 4
-    assert overlap.auto_chunks(overlap.AUTO_MIN_CHUNK_TOKENS + 1) == 1
+    # chunks of at least AUTO_MIN_CHUNK_TOKENS; prompts shorter than AUTO_MIN_TOKENS whole
+    assert overlap.auto_chunks(overlap.AUTO_MIN_TOKENS) == min(
+        overlap.AUTO_CHUNKS, overlap.AUTO_MIN_TOKENS // overlap.AUTO_MIN_CHUNK_TOKENS
+    )
+    assert overlap.auto_chunks(overlap.AUTO_MIN_TOKENS - 1) == 1
+    assert overlap.auto_chunks(512) == 1
     several_processes_on(10e9)  # loopback
     assert overlap.auto_chunks(2048) == 1
     several_processes_on(None)  # assumed: no link
@@ -129,3 +134,34 @@ def test_the_chunk_count_argument_takes_auto():
     assert chunks_or_auto("auto") == "auto" and chunks_or_auto("4") == 4
     with pytest.raises(ValueError, match="integer >= 1"):
         chunks_or_auto("0")
+
+
+def test_recorded_times_follow_each_exchange_in_order():
+    first, second = connected_pair()
+    first.record()
+    seq = first.start(b"abc")
+    second.start(b"def")
+    first.finish(seq)
+    second.finish(seq)  # our bytes arrived there; the sender thread notes `sent` right after
+    times = first.times[seq]
+    deadline = time.monotonic() + 10
+    while times.sent is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert times.started <= times.waited <= times.done
+    assert times.arrived <= times.done and times.started <= times.sent
+
+
+def test_a_timeline_names_one_layers_all_reduces_in_start_order():
+    chunks, layers = 2, 3
+    names = prefill_timeline.exchange_names(chunks)
+    assert names == ["attn 0", "attn 1", "mlp 0", "mlp 1"]
+    # [processes, exchanges, (started, arrived, waited, done)], 1 ms apart, process 1 0.5 ms late
+    steps = np.arange(layers * len(names) * 4, dtype=float).reshape(-1, 4) * 1e-3
+    times = np.stack([steps, steps + 5e-4])
+    summary = prefill_timeline.summarize(times, chunks, layers)
+    assert summary["layer"] == 1
+    first = summary["exchanges"][0]
+    assert (first["what"], first["process"], first["started"]) == ("attn 0", 0, 0.0)
+    assert summary["exchanges"][len(names)]["started"] == 0.5  # process 1's first
+    assert summary["blocked_ms"] == [layers * len(names) * 1.0] * 2
+    assert len(prefill_timeline.format_summary("x", summary)) == 2 + 2 * len(names)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from equarx_serve.distributed import multiprocess
+from models.config import get_config
 
 WORKER = Path(__file__).with_name("_overlap_worker.py")
 
@@ -44,3 +45,12 @@ def test_chunks_exchanged_beside_xla_give_the_tokens_of_the_whole_prefill(method
         first[f"{method}/{chunks}"]["logits_sha256"]
         == second[f"{method}/{chunks}"]["logits_sha256"]
     )
+
+
+def test_the_timeline_records_every_exchange_of_one_prefill():
+    layers = get_config("tiny").num_layers
+    for report in reports():
+        for chunks in (2, 3):
+            timeline = report[f"equarx-int8/{chunks}/timeline"]
+            assert timeline["exchanges"] == 2 * chunks * layers  # attn and mlp, every chunk
+            assert timeline["ordered"]

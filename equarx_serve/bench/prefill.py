@@ -248,6 +248,25 @@ def mesh_title(config: PrefillBenchConfig) -> str:
     return f"TP={config.tp} over {config.tp} devices (1 process)"
 
 
+def _timelines(results: Sequence[dict[str, object]]) -> list[str]:
+    """Each overlapped row's timeline of one layer (`prefill_timeline`), where recorded."""
+    from equarx_serve.bench import prefill_timeline
+
+    text = []
+    for r in results:
+        for row in r["rows"]:
+            if row.get("timeline"):
+                label = f"{r['seq_len']} tokens, {row['label']}"
+                text += prefill_timeline.format_summary(label, row["timeline"])
+    if text:
+        text.insert(
+            0,
+            "\n== timeline of one layer of one overlapped prefill, per process "
+            "(the exchange's clock: started, bytes all arrived, waited for, done) ==",
+        )
+    return text
+
+
 def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConfig) -> str:
     """The measured table, the PROJECTION table and peak memory."""
     first = results[0]
@@ -284,6 +303,7 @@ def format_tables(results: Sequence[dict[str, object]], config: PrefillBenchConf
                 "0", "", "", "",
             ])  # fmt: skip
     text += _format(lines)
+    text += _timelines(results)
     gated = sorted({row["label"] for r in results for row in r["rows"] if row["gated"]})
     if gated:
         text.append(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import resource
 import time
@@ -45,6 +46,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from equarx_serve.arguments import chunks_or_auto
+from equarx_serve.bench import prefill_timeline
 from equarx_serve.bench.allreduce_worker import (
     RESULT_MARKER,
     gather_processes,
@@ -167,6 +169,7 @@ def measure(
     )
     for label, stats in timings.items():
         rows[label].update(stats)
+    _add_timelines(rows, programs, engines, inputs, config.num_layers)
     max_rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     peak_mib = gather_processes(np.array([max_rss_kib / 1024.0]))[:, 0]
     no_reduce = {str(chunks): rows.pop(overlap_label(NO_REDUCE, chunks)) for chunks in all_chunks}
@@ -189,6 +192,26 @@ def measure(
         "auto_overlap_chunks": auto,  # the chunks overlap_chunks="auto" chose for this run
         "rows": list(rows.values()),
     }
+
+
+def _add_timelines(
+    rows: dict[str, dict],
+    programs: dict[str, jax.stages.Compiled],
+    engines: dict[str, PrefillEngine],
+    inputs: _Inputs,
+    num_layers: int,
+) -> None:
+    """Every row whose all-reduces went through the exchange (overlapped, across processes):
+    one more prefill, its exchanges recorded on every process (`prefill_timeline`)."""
+    for label, row in rows.items():
+        if "exchange" not in row["wire_bytes_hlo"] or label.startswith(NO_REDUCE):
+            continue
+        engine = engines[label]
+        multihost_utils.sync_global_devices("prefill-timeline")
+        call = functools.partial(programs[label], engine.params, inputs.tokens, inputs.mask)
+        local = prefill_timeline.record(lambda call=call: jax.block_until_ready(call()))
+        times = gather_processes(local)
+        row["timeline"] = prefill_timeline.summarize(times, row["overlap_chunks"], num_layers)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -87,6 +87,10 @@ class AllReduce:
         than through this method (a size gate). The base method has no gate."""
         return False
 
+    def gate_bytes(self) -> int | None:
+        """The message size below which `is_gated` holds in this run; None: no gate."""
+        return None
+
     def quantizes(self, num_elements: int, dtype: jnp.dtype) -> bool:
         """True when such a message actually travels quantized (lossy)."""
         return self.quantized and not self.is_gated(num_elements, dtype)

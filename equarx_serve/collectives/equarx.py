@@ -246,6 +246,8 @@ class EquarxInt8(RingAllReduce):
     # 77.1-91.9 / 342-349 ms against 71.4-72.0 / 317 ms: there the fixed cost of ~50 more
     # collectives outweighs the encodes it hides.
     AUTO_SEND_PIECES_BELOW_BITS_PER_S: ClassVar[float] = 1.3e9
+    # min_size_bytes="auto": no gate where the link is slower than this (the slicing bound).
+    AUTO_UNGATED_BELOW_BITS_PER_S: ClassVar[float] = AUTO_SLICE_BELOW_BITS_PER_S
 
     # The codec, where not given (None): chosen by the schedule the axis size runs
     # (`for_axis_size`, `CODEC_BY_SCHEDULE`): block 64 with bfloat16 scales for one-shot (N = 2,
@@ -297,7 +299,12 @@ class EquarxInt8(RingAllReduce):
     # AUTO_SLICE_BELOW_BITS_PER_S (hosts on a slow network), else none (loopback, fake devices,
     # more than 2 devices: every extra collective costs ~1-2 ms and pays nothing there).
     slice_bytes: int | Literal["auto"] = "auto"
-    min_size_bytes: int = DEFAULT_MIN_SIZE_BYTES
+    # Messages smaller than this go to `psum`; "auto": DEFAULT_MIN_SIZE_BYTES, measured where
+    # the fixed cost of a collective dominates (loopback), except where `transport.measure`
+    # found a link slower than AUTO_UNGATED_BELOW_BITS_PER_S: there the bytes dominate and
+    # every message is quantized (bench prefill, 512 tokens, TP = 2, 300 Mbit/s: gated to psum
+    # 1528 ms, quantized 520 ms).
+    min_size_bytes: int | Literal["auto"] = "auto"
     # auto: the Pallas quantizer on TPU/GPU; on CPU the jnp one, and one-shot's last step as
     # the native dequantize-rotate kernel where it applies (module doc). jnp: XLA ops only.
     kernel: Literal["auto", "pallas", "jnp"] = "auto"
@@ -331,8 +338,9 @@ class EquarxInt8(RingAllReduce):
         if not isinstance(self.fold_rotation, bool):
             raise ValueError(f"fold_rotation must be a bool, got {self.fold_rotation!r}")
         self.check_lane_options()
-        if not isinstance(self.min_size_bytes, int) or self.min_size_bytes < 0:
-            raise ValueError(f"min_size_bytes must be an int >= 0, got {self.min_size_bytes!r}")
+        size = self.min_size_bytes
+        if size != "auto" and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise ValueError(f"min_size_bytes must be an int >= 0 or 'auto', got {size!r}")
 
     def for_axis_size(self, axis_size: int) -> EquarxInt8:
         """This all-reduce as it runs over `axis_size` devices: the codec fields left None
@@ -420,7 +428,14 @@ class EquarxInt8(RingAllReduce):
 
     def is_gated(self, num_elements: int, dtype: jnp.dtype) -> bool:
         """True when a message this size goes to plain `psum` (the size gate)."""
-        return num_elements * jnp.dtype(dtype).itemsize < self.min_size_bytes
+        return num_elements * jnp.dtype(dtype).itemsize < self.gate_bytes()
+
+    def gate_bytes(self) -> int:
+        """`min_size_bytes` as it applies in this run ("auto": see the field)."""
+        if self.min_size_bytes != "auto":
+            return self.min_size_bytes
+        slow = transport.slower_than(self.AUTO_UNGATED_BELOW_BITS_PER_S)
+        return 0 if slow else DEFAULT_MIN_SIZE_BYTES
 
     def ungated(self) -> EquarxInt8:
         return dataclasses.replace(self, min_size_bytes=0)
@@ -711,6 +726,9 @@ class RotatedInput(AllReduce):
 
     def is_gated(self, num_elements: int, dtype: jnp.dtype) -> bool:
         return self.method.is_gated(num_elements, dtype)
+
+    def gate_bytes(self) -> int:
+        return self.method.gate_bytes()
 
     def ungated(self) -> RotatedInput:
         return RotatedInput(self.method.ungated())

@@ -29,6 +29,7 @@ import queue
 import socket
 import struct
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,22 @@ _KEY = "equarx_serve/exchange/{}"
 CONNECT_TIMEOUT_S = 120.0
 # How long `finish` waits for a peer's bytes before failing the program rather than hanging.
 FINISH_TIMEOUT_S = 600.0
+
+
+@dataclasses.dataclass
+class ExchangeTimes:
+    """When one exchange's steps happened on this process (wall clock, `time.time()` s):
+    `started` (queued), `sent` (the last peer's sendall returned), `arrived` (the last peer's
+    bytes in: before `started` where a peer was ahead), `waited` (the program asked for the
+    result) and `done` (it had it). The program
+    blocked for done - waited; the bytes were in flight from started to arrived."""
+
+    seq: int
+    started: float | None = None
+    sent: float | None = None
+    arrived: float | None = None
+    waited: float | None = None
+    done: float | None = None
 
 
 @dataclasses.dataclass
@@ -57,6 +74,7 @@ class ByteExchange:
         self.rank, self.size = rank, size
         self._next_seq = 0
         self.sent_bytes = 0  # payload bytes queued for peers so far, summed over the peers
+        self.times: dict[int, ExchangeTimes] | None = None  # recorded while not None (`record`)
         self._lock = threading.Condition()
         self._arrivals: dict[int, _Arrivals] = {}
         self._own: dict[int, bytes] = {}
@@ -78,6 +96,7 @@ class ByteExchange:
             self._next_seq += 1
             self._own[seq] = payload
             self.sent_bytes += len(payload) * len(self._outboxes)
+            self._note(seq, "started")
         for outbox in self._outboxes.values():
             outbox.put((seq, payload))
         return seq
@@ -85,6 +104,7 @@ class ByteExchange:
     def finish(self, seq: int, timeout_s: float = FINISH_TIMEOUT_S) -> np.ndarray:
         """Every process's payload of exchange `seq`, u8 [size (rank), bytes]."""
         with self._lock:
+            self._note(seq, "waited")
             arrived = self._lock.wait_for(
                 lambda: self._failure is not None or self._complete(seq), timeout=timeout_s
             )
@@ -94,7 +114,18 @@ class ByteExchange:
                 raise TimeoutError(f"exchange {seq}: no bytes from every peer in {timeout_s} s")
             by_rank = self._arrivals.pop(seq).by_rank if self.size > 1 else {}
             by_rank[self.rank] = self._own.pop(seq)
+            self._note(seq, "done")
         return np.stack([np.frombuffer(by_rank[r], np.uint8) for r in range(self.size)])
+
+    def record(self) -> None:
+        """Record every exchange's `ExchangeTimes` from now on (in `times`, by number)."""
+        with self._lock:
+            self.times = {}
+
+    def _note(self, seq: int, step: str) -> None:
+        """The time of `step` of exchange `seq`, when recording (hold the lock)."""
+        if self.times is not None:
+            setattr(self.times.setdefault(seq, ExchangeTimes(seq)), step, time.time())
 
     def _complete(self, seq: int) -> bool:
         return self.size == 1 or len(self._arrivals.get(seq, _Arrivals()).by_rank) == self.size - 1
@@ -105,6 +136,8 @@ class ByteExchange:
                 seq, payload = outbox.get()
                 sock.sendall(_HEADER.pack(seq, len(payload)))
                 sock.sendall(payload)
+                with self._lock:
+                    self._note(seq, "sent")  # the last peer's: each overwrites
         except OSError as e:
             self._fail(e)
 
@@ -115,6 +148,7 @@ class ByteExchange:
                 payload = _receive_exactly(sock, size)
                 with self._lock:
                     self._arrivals.setdefault(seq, _Arrivals()).by_rank[peer] = payload
+                    self._note(seq, "arrived")
                     self._lock.notify_all()
         except (OSError, ConnectionError) as e:
             self._fail(e)

@@ -88,7 +88,7 @@ class AllReduceUsage:
 
     all_reduce: str
     options: dict[str, Any]
-    min_size_bytes: int | None  # None: the method has no size gate
+    min_size_bytes: int | None  # the gate as it applies in this run; None: the method has none
     prefill: AllReduceTraffic
     decode: AllReduceTraffic
 
@@ -151,7 +151,7 @@ class BatchPolicy:
         return AllReduceUsage(
             all_reduce=self.engine.all_reduce.name,
             options=options,
-            min_size_bytes=options.get("min_size_bytes"),
+            min_size_bytes=self.engine.all_reduce.gate_bytes(),
             prefill=self.traffic(self.prefill_shape([prompt_len] * batch)),
             decode=self.traffic(self.decode_shape(batch)),
         )
