@@ -39,7 +39,7 @@ row-parallel weights twice (+71 MB for 270M in bf16; a quarter to a third more f
 larger sizes); `fold_rotation=False` on the all-reduce keeps one copy and rotates inside it.
 
 Overlap (`overlap_chunks` K > 1; "auto", the default, chooses K > 1 only where it pays:
-several CPU processes on a slow measured link, `collectives.overlap.auto_chunks`): a
+2 CPU processes on a slow measured link, a long prompt: `collectives.overlap.auto_chunks`): a
 prefill's layers run on K chunks of the tokens, chunk k of a layer needing only chunk k of
 the layer before it (its queries see the keys of chunks <= k), so one chunk's all-reduce can
 be on the wire while the next chunk's matmuls run, into the next layer. Each all-reduce is

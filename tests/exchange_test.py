@@ -106,15 +106,16 @@ def test_the_one_shot_form_gives_the_bits_of_the_one_shot_schedule(n, name, opti
 def several_processes_on(monkeypatch):
     """As in a run of several processes, one device each, whose link measured `bits_per_s`."""
 
-    def on(bits_per_s: float | None) -> None:
+    def on(bits_per_s: float | None, processes: int = 2) -> None:
         monkeypatch.setattr(exchange, "available", lambda: True)
+        monkeypatch.setattr(jax, "process_count", lambda: processes)
         link = None if bits_per_s is None else transport.LinkEstimate(bits_per_s, 2, 0.1, 0.001)
         monkeypatch.setattr(transport, "link", lambda: link)
 
     return on
 
 
-def test_auto_chunks_overlap_only_several_processes_on_a_slow_link(several_processes_on):
+def test_auto_chunks_overlap_only_two_processes_on_a_slow_link(several_processes_on):
     assert overlap.auto_chunks(2048) == 1  # this process alone: nothing to overlap
     several_processes_on(3e8)
     assert overlap.auto_chunks(2048) == overlap.AUTO_CHUNKS
@@ -124,6 +125,8 @@ def test_auto_chunks_overlap_only_several_processes_on_a_slow_link(several_proce
     )
     assert overlap.auto_chunks(overlap.AUTO_MIN_TOKENS - 1) == 1
     assert overlap.auto_chunks(512) == 1
+    several_processes_on(3e8, processes=4)  # one exchange would send 2x an all-reduce's bytes
+    assert overlap.auto_chunks(2048) == 1
     several_processes_on(10e9)  # loopback
     assert overlap.auto_chunks(2048) == 1
     several_processes_on(None)  # assumed: no link

@@ -293,10 +293,11 @@ def render_source(source: Source, base: Path) -> str:
 
 
 METHOD = "equarx-int8"
-# Which results the headline reads, in its order: (stem prefix, what, anchor in benchmarks.md).
+# Which results the headline reads, in its order: (stem pattern, what, anchor in
+# benchmarks.md). The prefill's: the 2048-token TP = 2 runs (the others are in benchmarks.md).
 HEADLINE = (
-    ("allreduce-n", "all-reduce, {mesh}, {size} MiB/device, {link} link", "all-reduce"),
-    ("prefill-", "prefill, {tokens} tokens, TP={tp}, {link} link", "prefill"),
+    (r"allreduce-n\d+-.*", "all-reduce, {mesh}, {size} MiB/device, {link} link", "all-reduce"),
+    (r"prefill-tp2-\d+mbit", "prefill, {tokens} tokens, TP={tp}, {link} link", "prefill"),
     ("eval-tp2-default", "quality, 270M at TP=2 (KL to bf16 psum)", "quality-eval"),
     ("compare-llama-cpp", "against llama.cpp, same GGUF, 2 threads vs TP=2", "against-llamacpp"),
 )
@@ -365,8 +366,8 @@ def headline(sources: dict[str, Source], base: Path, docs: Path) -> str:
     """The README's table: one row a headline result present in `sources`, each result linking
     to its benchmark's section in docs/benchmarks.md, then every source's provenance."""
     rows, used = [], []
-    for prefix, what, anchor in HEADLINE:
-        for name in sorted(n for n in sources if n.startswith(prefix)):
+    for pattern, what, anchor in HEADLINE:
+        for name in sorted(n for n in sources if re.fullmatch(pattern, n)):
             source = sources[name]
             fields, text = CELLS[kind_of(source.document)](source.document)
             how = f"{_link(docs / 'benchmarks.md', base)}#{anchor}"

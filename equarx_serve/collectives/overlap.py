@@ -34,14 +34,16 @@ from equarx_serve.collectives.base import AllReduce, axis_size_or_raise
 from equarx_serve.kernels.native import target_platform
 
 # overlap_chunks="auto" (`models.gemma3`): for prompts of at least AUTO_MIN_TOKENS, AUTO_CHUNKS
-# token chunks of at least AUTO_MIN_CHUNK_TOKENS where the exchange runs (CPU, several
-# processes) and `transport.measure` found a link slower than AUTO_BELOW_BITS_PER_S; else
+# token chunks of at least AUTO_MIN_CHUNK_TOKENS where the exchange runs between 2 processes
+# (CPU) and `transport.measure` found a link slower than AUTO_BELOW_BITS_PER_S; else
 # whole messages. Measured (docs/decisions.md, "Model and prefill"; bench prefill, TP = 2,
 # 300 Mbit/s): 2048 tokens, equarx-int8 3050 ms whole, 2366 ms in 4 chunks, 2089 ms in 8
 # (compute alone 1717 ms), ring 4381, 3021, 2857 ms; but 512 tokens in 8 chunks of 64,
 # equarx-int8 520 -> 775 ms, ring 860 -> 916 ms (the compute alone 358 -> 444 ms: short chunks
-# cost more than they hide). Between 512 and 2048 tokens, and the rate bound (the ring's
-# slicing threshold) between 1 Gbit/s and loopback, are not measured.
+# cost more than they hide); and TP = 4 at 1 Gbit/s, 2048 tokens, equarx-int8 3259 -> 3498 ms,
+# ring 3926 -> 4516 ms (one exchange sends N / 2 times a bandwidth-optimal all-reduce's bytes,
+# and 4 processes share 2 cores): so only between 2 processes. Between 512 and 2048 tokens, and
+# the rate bound (the ring's slicing threshold) between 1 Gbit/s and loopback, are not measured.
 AUTO_CHUNKS = 8
 AUTO_MIN_TOKENS = 1024
 AUTO_MIN_CHUNK_TOKENS = 128
@@ -66,8 +68,9 @@ class Started:
 
 def auto_chunks(num_tokens: int) -> int:
     """The token chunks of a prefill of `num_tokens` under overlap_chunks="auto" (see
-    AUTO_CHUNKS): where they pay, up to AUTO_CHUNKS of at least AUTO_MIN_CHUNK_TOKENS."""
-    if target_platform() != "cpu" or not exchange.available():
+    AUTO_CHUNKS): where they pay (2 processes, a slow link, a long prompt), up to AUTO_CHUNKS
+    of at least AUTO_MIN_CHUNK_TOKENS."""
+    if target_platform() != "cpu" or not exchange.available() or jax.process_count() != 2:
         return 1
     if num_tokens < AUTO_MIN_TOKENS or not transport.slower_than(AUTO_BELOW_BITS_PER_S):
         return 1

@@ -112,7 +112,7 @@ class PrefillEngine:
       overlap_chunks: Run a prefill's layers on this many token chunks, so that one chunk's
         all-reduce is on the wire while the next chunk computes (`models.gemma3`, "Overlap");
         1: whole messages; "auto" (default): chunks where they pay, chosen by the run
-        (`collectives.overlap.auto_chunks`: several CPU processes on a slow measured link).
+        (`collectives.overlap.auto_chunks`: 2 CPU processes on a slow measured link, a long prompt).
     """
 
     def __init__(
