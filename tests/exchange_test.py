@@ -168,3 +168,11 @@ def test_a_timeline_names_one_layers_all_reduces_in_start_order():
     assert summary["exchanges"][len(names)]["started"] == 0.5  # process 1's first
     assert summary["blocked_ms"] == [layers * len(names) * 1.0] * 2
     assert len(prefill_timeline.format_summary("x", summary)) == 2 + 2 * len(names)
+
+
+def test_timeline_times_survive_the_gather_exactly():
+    times = np.array([[1796596980.262091, np.nan, 1796596980.5, 1796596981.0]])
+    words = prefill_timeline.as_int32(times)
+    assert words.dtype == np.int32
+    np.testing.assert_allclose(prefill_timeline.from_int32(words), times, rtol=0, atol=1e-6)
+    assert np.isnan(prefill_timeline.from_int32(words)[0, 1])

@@ -21,6 +21,7 @@ import numpy as np
 from equarx_serve.collectives import exchange
 
 STEPS = ("started", "arrived", "waited", "done")
+_MISSING = -1  # a step that did not happen, in `as_int32`'s form
 
 
 def record(run: Callable[[], None]) -> np.ndarray:
@@ -33,6 +34,20 @@ def record(run: Callable[[], None]) -> np.ndarray:
     finally:
         ends.times = None
     return np.array([[getattr(t, step) or np.nan for step in STEPS] for t in times])
+
+
+def as_int32(times: np.ndarray) -> np.ndarray:
+    """`record`'s times as whole microseconds in two int32 words each ([..., 2]): what
+    `multihost_utils.process_allgather` carries exactly (it would narrow float64 wall-clock
+    seconds to float32, ~2 minutes apart)."""
+    us = np.where(np.isnan(times), _MISSING, np.round(np.nan_to_num(times) * 1e6)).astype(np.int64)
+    return np.stack([us >> 31, us & (2**31 - 1)], axis=-1).astype(np.int32)
+
+
+def from_int32(words: np.ndarray) -> np.ndarray:
+    """`as_int32`'s inverse: seconds (NaN where a step did not happen)."""
+    us = (words[..., 0].astype(np.int64) << 31) | words[..., 1].astype(np.int64)
+    return np.where(us == _MISSING, np.nan, us / 1e6)
 
 
 def exchange_names(chunks: int) -> list[str]:

@@ -210,7 +210,7 @@ def _add_timelines(
         multihost_utils.sync_global_devices("prefill-timeline")
         call = functools.partial(programs[label], engine.params, inputs.tokens, inputs.mask)
         local = prefill_timeline.record(lambda call=call: jax.block_until_ready(call()))
-        times = gather_processes(local)
+        times = prefill_timeline.from_int32(gather_processes(prefill_timeline.as_int32(local)))
         row["timeline"] = prefill_timeline.summarize(times, row["overlap_chunks"], num_layers)
 
 
