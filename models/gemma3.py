@@ -777,7 +777,9 @@ class Block(nn.Module):
                 outputs.append(functools.partial(self._chunk_output, residual, last))
         return cache, outputs, last
 
-    def _chunk_output(self, residual: jax.Array, started: Started, last: Started | None):
+    def _chunk_output(
+        self, residual: jax.Array, started: Started, last: Started | None
+    ) -> jax.Array:
         """A chunk's output: its MLP residual, the MLP's all-reduce waited for once `last`
         has started."""
         return self._mlp_residual(residual, started.result(None if last is None else last.token))
