@@ -159,15 +159,23 @@ class ByteExchange:
             self._lock.notify_all()
 
 
-def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+def receive_exactly(sock: socket.socket, size: int) -> bytes | None:
+    """`size` bytes from `sock`, or None when the peer closes the connection first."""
     buffer = bytearray(size)
     view, got = memoryview(buffer), 0
     while got < size:
         n = sock.recv_into(view[got:])
         if n == 0:
-            raise ConnectionError("the peer closed its connection")
+            return None
         got += n
     return bytes(buffer)
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+    data = receive_exactly(sock, size)
+    if data is None:
+        raise ConnectionError("the peer closed its connection")
+    return data
 
 
 _exchange: ByteExchange | None = None

@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from equarx_serve.collectives.exchange import receive_exactly
 from equarx_serve.generation import steps as steps_lib
 from equarx_serve.generation.runner import DeviceRunner, FatalRunnerError, StepOutput
 from equarx_serve.generation.steps import Step, StopStep
@@ -75,23 +76,13 @@ def send_frame(sock: socket.socket, payload: bytes) -> None:
 
 def recv_frame(sock: socket.socket) -> bytes | None:
     """One frame, or None when the peer closed the connection."""
-    header = _recv_exactly(sock, _HEADER.size)
+    header = receive_exactly(sock, _HEADER.size)
     if header is None:
         return None
     (size,) = _HEADER.unpack(header)
     if size > MAX_FRAME_BYTES:
         raise ValueError(f"a frame of {size} bytes is more than the control channel carries")
-    return _recv_exactly(sock, size)
-
-
-def _recv_exactly(sock: socket.socket, size: int) -> bytes | None:
-    data = bytearray()
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return bytes(data)
+    return receive_exactly(sock, size)
 
 
 def _message(kind: str, **fields: object) -> bytes:
