@@ -188,8 +188,11 @@ def local_decode_attention(
         raise ValueError(f"positions must be [B] = ({b},), got {positions.shape}")
     span = min(window, capacity)
     start = jnp.clip(positions - (span - 1), 0, capacity - span)  # [B]
-    take = jax.vmap(lambda kv, s: lax.dynamic_slice_in_dim(kv, s, span, axis=0))
-    key_span, value_span = take(key_cache, start), take(value_cache, start)  # [B, W, K, H]
+    if span == capacity:  # the whole cache: no gather (XLA:CPU copies the cache before one)
+        key_span, value_span = key_cache, value_cache
+    else:
+        take = jax.vmap(lambda kv, s: lax.dynamic_slice_in_dim(kv, s, span, axis=0))
+        key_span, value_span = take(key_cache, start), take(value_cache, start)  # [B, W, K, H]
     key_index = start[:, None] + jnp.arange(span)[None, :]  # [B, W]
     query_pos = positions[:, None]  # [B, 1]
     # gemma's window is (p - W, p + W); its upper side follows from causality.

@@ -169,7 +169,7 @@ def test_masked_attention_is_the_models_computation():
     )
 
 
-@pytest.mark.parametrize("window", [8, 5, 1, 100])
+@pytest.mark.parametrize("window", [8, 5, 1, 40, 100])  # 40, 100: the whole cache
 def test_decode_reads_the_window_and_equals_full_cache_attention(window):
     """One new token per row at different positions (start, inside the first window, past it,
     the cache's last index) over a cache of 40: equal to gemma's decode mask (key index <=
