@@ -6,7 +6,8 @@
 
 Prints one JSON line: for each all-reduce and chunk count, the SHA-256 of the logits and of
 this process's KV cache shard (real tokens), their max abs difference from the unchunked run
-of the same all-reduce, the share of tokens whose top-1 agrees with it, and how many callbacks
+of the same all-reduce, the share of tokens whose top-1 agrees with it and how far below its
+best logit it puts a flipped one, and how many callbacks
 (the exchange's) the program has; and for every chunked run, one more prefill's exchanges as
 `bench prefill`'s timeline records them.
 """
@@ -50,6 +51,13 @@ def local(array: jax.Array) -> np.ndarray:
     return np.asarray(shard.data, np.float32)
 
 
+def top1_gap(reference: np.ndarray, logits: np.ndarray) -> float:
+    """How far below the reference's best logit the reference puts `logits`' top-1 token, the
+    most over all tokens: 0 where the top-1 agree; small where a near tie flipped."""
+    rows = np.arange(len(reference))
+    return float((reference.max(-1) - reference[rows, logits.argmax(-1)]).max())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     multiprocess.add_process_flags(parser)
@@ -89,6 +97,7 @@ def main() -> None:
                 "cache_sha256": hashlib.sha256(cache.tobytes()).hexdigest(),
                 "logits_max_abs": float(np.abs(logits - whole[0]).max()),
                 "top1_agree": float((logits.argmax(-1) == whole[0].argmax(-1)).mean()),
+                "top1_gap": top1_gap(whole[0], logits),
                 "cache_max_abs": float(np.abs(cache - whole[1]).max()),
                 "exchanges": text.count("callback"),
             }

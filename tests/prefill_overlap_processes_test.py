@@ -30,14 +30,22 @@ def reports() -> list[dict]:
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_chunks_exchanged_beside_xla_give_the_tokens_of_the_whole_prefill(method, chunks):
     """Every operation is per token or (attention) over the same keys: only rounding differs
-    (per-chunk matmuls; softmax sums over a chunk's keys), within f32's or bf16's."""
+    (per-chunk matmuls; softmax sums over a chunk's keys), within f32's or bf16's. equarx-int8
+    requantizes the chunks' partial sums: a rounding step can move an int8 code, and the random
+    tiny model has near ties that then flip (which ones depends on the CPU's bf16 dot: 2 of 117
+    tokens on AVX-512F without BF16), so its top-1 may differ only where the whole run's own
+    logits tie within the tolerance."""
     tolerance = 1e-4 if method == "psum-f32" else 0.1
     first, second = reports()
     for report in (first, second):
         whole, chunked = report[f"{method}/1"], report[f"{method}/{chunks}"]
         assert whole["exchanges"] == 0
         assert chunked["exchanges"] > 0  # the chunks did go through the exchange
-        assert chunked["top1_agree"] == 1.0
+        if method == "equarx-int8":
+            assert chunked["top1_agree"] >= 0.95
+            assert chunked["top1_gap"] < tolerance
+        else:
+            assert chunked["top1_agree"] == 1.0
         assert chunked["logits_max_abs"] < tolerance
         assert chunked["cache_max_abs"] < tolerance
     # Both processes computed the same logits (each its own cache shard).
