@@ -81,6 +81,16 @@ def test_compare_table_has_each_sides_number_and_the_ratio_from_the_same_run():
     assert not any("None" in cell or "[" in cell for row in table.rows for cell in row)
 
 
+def test_prefill_table_shows_each_process_blocked_time_where_a_timeline_was_recorded():
+    document = json.loads((DATA / "prefill-tp2-300mbit.json").read_text())
+    document["rows"][1]["timeline"] = {"layer": 9, "exchanges": [], "blocked_ms": [38.8, 3.6]}
+    table = report.prefill_table(document)
+    column = table.header.index("blocked in waits ms")
+    by_method = {r[1].removesuffix(" (default)"): r[column] for r in table.rows}
+    assert by_method[document["rows"][1]["label"]] == "38.8 / 3.6"
+    assert by_method["ring"] == "-" and by_method["compute alone (no all-reduce)"] == "-"
+
+
 def test_provenance_names_source_commit_machine_link_and_command():
     source = report.load(DATA)["allreduce-n2-1gbit"]
     p = source.document["provenance"]

@@ -176,16 +176,18 @@ def allreduce_plain_table(document: dict[str, Any]) -> Table:
 
 def prefill_table(document: dict[str, Any]) -> Table:
     """Per prompt length and method: median, speed-up over the (unoverlapped) ring, time over
-    the compute alone, the all-reduce time left exposed, and the share of its bytes' link time
-    the overlap hid; the compute alone (no all-reduce) as its own row."""
+    the compute alone, the all-reduce time left exposed, the share of its bytes' link time
+    the overlap hid, and (overlapped rows with a timeline) each process's time blocked waiting
+    for the exchange's bytes over one prefill; the compute alone (no all-reduce) as its own
+    row."""
     header = ["tokens", "method", "median ms", "vs ring", "vs compute", "exposed all-reduce ms",
-              "wire MiB/dev", "link ms", "hidden"]  # fmt: skip
+              "wire MiB/dev", "link ms", "hidden", "blocked in waits ms"]  # fmt: skip
     rows = []
     for run in document["runs"]:
         tokens, compute = run["seq_len"], run["no_reduce"]["median_ms"]
         group = [r for r in document["rows"] if r["seq_len"] == tokens]
         rows.append([str(tokens), "compute alone (no all-reduce)", f"{compute:.1f}", "-",
-                     "1.00x", "0", "0", "-", "-"])  # fmt: skip
+                     "1.00x", "0", "0", "-", "-", "-"])  # fmt: skip
         for r in group:
             link_ms = r.get("link_ms")
             hidden = 1 - r["ar_ms"] / link_ms if link_ms else None
@@ -194,8 +196,16 @@ def prefill_table(document: dict[str, Any]) -> Table:
                          _num(_speedup_over(group, r, "ring"), ".2f", "x"),
                          f"{r['median_ms'] / compute:.2f}x", f"{r['ar_ms']:.1f}",
                          f"{r['wire_bytes_hlo_total'] / MIB:.1f}", _num(link_ms, ".1f"),
-                         _pct(hidden)])  # fmt: skip
+                         _pct(hidden), _blocked(r)])  # fmt: skip
     return Table(header, rows)
+
+
+def _blocked(row: dict[str, Any]) -> str:
+    """A prefill row's per-process blocked time ("p0 / p1 ..."), "-" without a timeline."""
+    timeline = row.get("timeline")
+    if not timeline:
+        return "-"
+    return " / ".join(f"{ms:.1f}" for ms in timeline["blocked_ms"])
 
 
 def default_label(run: dict[str, Any]) -> str:
