@@ -93,7 +93,7 @@ from jax.sharding import PartitionSpec as P
 from equarx_serve.collectives import AllReduce, get_all_reduce, overlap
 from equarx_serve.collectives.hadamard import HadamardRotation
 from equarx_serve.collectives.overlap import Started
-from equarx_serve.kernels import head_gemv
+from equarx_serve.kernels import block_gemv, head_gemv
 from models import vocab_parallel
 from models.attention import local_attention, local_decode_attention, masked_attention
 from models.config import AttentionType, Gemma3Config
@@ -112,6 +112,11 @@ MIN_CHUNK_TOKENS = 16  # the shortest token chunk of an overlapped prefill (`ove
 
 LayerCache = dict[str, jax.Array]  # {"k", "v"}: [B, L, K_local, H], after QK-norm and RoPE
 Params = dict[str, Any]
+# The decode step's weights in int8 blocks, a subtree of the parameters beside the checkpoint's
+# (`block_partition_specs`); each weight {"values": int8 [..., O, I], "scales": f32
+# [..., O, I / G], and "offsets" like the scales where its type has minima}.
+BLOCKS = "int8_blocks"
+Blocks = dict[str, jax.Array]
 
 
 # -- Tensor-parallel layout ---------------------------------------------------------------------
@@ -255,6 +260,25 @@ def cache_partition_spec(config: Gemma3Config, tp: int, *, axis_name: str = AXIS
     """The spec of every cache array [B, L, K, H]: split on K when the KV heads are sharded."""
     kv_sharded = ShardLayout.create(config, tp).kv_sharded
     return P(None, None, axis_name if kv_sharded else None, None)
+
+
+def block_partition_specs(config: Gemma3Config, tp: int, *, axis_name: str = AXIS) -> Params:
+    """The `PartitionSpec` of every decode weight in int8 blocks (`BLOCKS`), one per weight for
+    its values, scales and offsets alike (a pytree prefix): {"head": [V, D], "layer_i": {"q"
+    [N H, D], "k", "v" [K H, D], "attn_out" [D, N H], "gating" [2, F, D], "linear" [D, F]}},
+    each [..., O, I] (output-major, the groups along the reduced axis I, as GGUF stores them),
+    split as the bf16 weight it stands for: column-parallel ones on O, row-parallel ones on I.
+    """
+    kv_axis = axis_name if ShardLayout.create(config, tp).kv_sharded else None
+    layer = {
+        "q": P(axis_name, None),
+        "k": P(kv_axis, None),
+        "v": P(kv_axis, None),
+        "attn_out": P(None, axis_name),
+        "gating": P(None, axis_name, None),
+        "linear": P(None, axis_name),
+    }
+    return {"head": P(axis_name, None), **{f"layer_{i}": layer for i in range(config.num_layers)}}
 
 
 def init_params(
@@ -865,22 +889,33 @@ class Gemma3Shard(nn.Module):
         <= its own. The layers' computation is `Block`'s, written on the weights as stored
         (see `_decode_block`)."""
         params = self.variables["params"]
+        blocks = params.get(BLOCKS)
         x = self.embedder.encode(tokens[:, None])[:, 0]  # [B, D]
         new_cache = {}
         for i, block in enumerate(self.blocks):
             name = f"layer_{i}"
             with jax.named_scope(name):  # op names as `Block`'s: `layers_hlo` finds the layers
                 new_cache[name], x = self._decode_block(
-                    block, params[name], x, lengths, cache[name]
+                    block, params[name], x, lengths, cache[name], blocks and blocks[name]
                 )
         x = rms_norm(x, params["final_norm"]["scale"])  # [B, D]
-        return self.embedder.decode(x), new_cache
+        if blocks is None:
+            return self.embedder.decode(x), new_cache
+        logits = _block_matmul(x, blocks["head"])  # [B, V / T]
+        return vocab_parallel.soft_capped(logits, self.config.final_logit_softcap), new_cache
 
     def _decode_block(
-        self, block: Block, p: Params, x: jax.Array, positions: jax.Array, cache: LayerCache
+        self,
+        block: Block,
+        p: Params,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: LayerCache,
+        blocks: Params | None = None,
     ) -> tuple[LayerCache, jax.Array]:
         """`Block` for one new token per row, x [B, D] at positions [B] -> (the cache with its
-        k/v written at index positions, [B, D]).
+        k/v written at index positions, [B, D]); the matmuls on the layer's int8 `blocks`
+        (`block_partition_specs`) where given, else on its bf16 weights.
 
         Every matmul reads its weight in the layout it is stored in: a 2-D dot, or a dot
         batched over the weight's leading (head) axis. Written as `Block`'s einsums, XLA:CPU
@@ -895,39 +930,63 @@ class Gemma3Shard(nn.Module):
         all_reduce = self.reduction.all_reduce_for(rotated)
         reduce = lambda partial: all_reduce(partial[:, None], self.axis_name)[:, 0]
         suffix = ROTATED if rotated else ""
+        if blocks is not None and rotated:  # the blocks are not rotated: rotate the sums
+            rotation = self.reduction.all_reduce.foldable_rotation
+            reduce_rotated = reduce
+            reduce = lambda partial: reduce_rotated(rotation.apply(partial))
 
         normed = rms_norm(x, p["pre_attention_norm"]["scale"])
-        cache, encoded = self._decode_attention(block, p["attn"], normed, positions, cache)
-        w_out = p["attn"]["attn_vec_einsum"]["w" + suffix]  # [N, H, D]
-        attn_output = reduce(jnp.dot(encoded.reshape(b, -1), w_out.reshape(-1, d)))
+        cache, encoded = self._decode_attention(block, p["attn"], normed, positions, cache, blocks)
+        encoded = encoded.reshape(b, -1)  # [B, N H]
+        if blocks is None:
+            w_out = p["attn"]["attn_vec_einsum"]["w" + suffix]  # [N, H, D]
+            attn_output = reduce(jnp.dot(encoded, w_out.reshape(-1, d)))
+        else:
+            attn_output = reduce(_block_matmul(encoded, blocks["attn_out"]))
         if c.use_post_attn_norm:
             attn_output = rms_norm(attn_output, p["post_attention_norm"]["scale"])
         attn_output = attn_output + x
 
         normed = rms_norm(attn_output, p["pre_ffw_norm"]["scale"])
         w_gating = p["mlp"]["gating_einsum"]
-        if c.transpose_gating_einsum:  # [2, F, D]: one product with its [2 F, D] view
+        if blocks is not None:  # [2, F, D]
+            gate = _block_matmul(normed, blocks["gating"]).reshape(b, 2, -1)
+        elif c.transpose_gating_einsum:  # [2, F, D]: one product with its [2 F, D] view
             gate = head_gemv.rows_times_table(normed, w_gating.reshape(-1, d)).reshape(b, 2, -1)
         else:  # [2, D, F]
             gate = jnp.swapaxes(_per_head(normed, w_gating), 0, 1)  # [B, 2, F]
         activations = nn.gelu(gate[:, 0]) * gate[:, 1]  # [B, F]
-        outputs = reduce(jnp.dot(activations, p["mlp"]["linear" + suffix]))
+        if blocks is None:
+            outputs = reduce(jnp.dot(activations, p["mlp"]["linear" + suffix]))
+        else:
+            outputs = reduce(_block_matmul(activations, blocks["linear"]))
         if c.use_post_ffw_norm:
             outputs = rms_norm(outputs, p["post_ffw_norm"]["scale"])
         return cache, outputs + attn_output
 
     def _decode_attention(
-        self, block: Block, attn: Params, x: jax.Array, positions: jax.Array, cache: LayerCache
+        self,
+        block: Block,
+        attn: Params,
+        x: jax.Array,
+        positions: jax.Array,
+        cache: LayerCache,
+        blocks: Params | None = None,
     ) -> tuple[LayerCache, jax.Array]:
-        """`Attention` before its output projection, for x [B, D] (normed) at positions [B]:
-        -> (the cache with the new k/v at index positions, this device's heads [B, 1, N, H])."""
+        """`Attention` before its output projection, for x [B, D] (normed) at positions [B]
+        (on the layer's int8 `blocks` where given): -> (the cache with the new k/v at index
+        positions, this device's heads [B, 1, N, H])."""
         c = self.config
-        if "qkv_einsum" in attn:
-            q, k, v = jnp.split(_per_head(x, attn["qkv_einsum"]["w"]), 3)  # [N, B, H]
+        if blocks is not None:  # [B, heads H] each -> [B, 1, heads, H]
+            b, h = x.shape[0], c.head_dim
+            q, k, v = (_block_matmul(x, blocks[n]).reshape(b, 1, -1, h) for n in "qkv")
         else:
-            q = _per_head(x, attn["q_einsum"]["w"])  # [N, B, H]
-            k, v = jnp.split(_per_head(x, attn["kv_einsum"]["w"]), 2)  # [K, B, H]
-        q, k, v = (jnp.swapaxes(t, 0, 1)[:, None] for t in (q, k, v))  # [B, 1, heads, H]
+            if "qkv_einsum" in attn:
+                q, k, v = jnp.split(_per_head(x, attn["qkv_einsum"]["w"]), 3)  # [N, B, H]
+            else:
+                q = _per_head(x, attn["q_einsum"]["w"])  # [N, B, H]
+                k, v = jnp.split(_per_head(x, attn["kv_einsum"]["w"]), 2)  # [K, B, H]
+            q, k, v = (jnp.swapaxes(t, 0, 1)[:, None] for t in (q, k, v))  # [B, 1, heads, H]
         local = block.attn_type == AttentionType.LOCAL_SLIDING
         rope = rope_settings(c, local)
         if c.use_qk_norm:
@@ -946,6 +1005,18 @@ class Gemma3Shard(nn.Module):
             q, cache, positions[:, None], attn_mask, None, local=local, decoding=True
         )
         return cache, encoded
+
+
+def _block_matmul(x: jax.Array, weight: Blocks) -> jax.Array:
+    """x [B, I] times a weight in int8 blocks [..., O, I] (its leading axes flattened into O)
+    -> [B, prod(...) O] in x's dtype (`block_gemv`: the native kernel on CPU)."""
+    values = weight["values"]
+    flat = lambda a: a.reshape(-1, a.shape[-1])
+    offsets = weight.get("offsets")
+    out = block_gemv.matmul(
+        x, flat(values), flat(weight["scales"]), None if offsets is None else flat(offsets)
+    )
+    return out.astype(x.dtype)
 
 
 def _per_head(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -1010,6 +1081,11 @@ class TensorParallelGemma3:
     prefill's layers on that many token chunks (see "Overlap" in the module doc); 1: whole
     messages; "auto" (the default): chunks where they pay (`collectives.overlap.auto_chunks`).
 
+    `int8_blocks`: the decode steps' matmuls and head run on the decode weights in int8 blocks
+    (`BLOCKS`, split as `block_partition_specs` says; a GGUF checkpoint's own quantized
+    weights, `models.gguf_blocks`), which the parameters then hold beside the checkpoint's;
+    prefill runs on the checkpoint's weights either way.
+
     Compiled functions are cached per instance (one per `last_only`, retraced per input
     shape/dtype), so reuse an instance.
     """
@@ -1022,6 +1098,7 @@ class TensorParallelGemma3:
         *,
         axis_name: str = AXIS,
         overlap_chunks: int | Literal["auto"] = "auto",
+        int8_blocks: bool = False,
     ):
         if overlap_chunks != "auto" and (
             not isinstance(overlap_chunks, int)
@@ -1046,6 +1123,10 @@ class TensorParallelGemma3:
         self.param_specs = param_partition_specs(
             config, self.tp, axis_name=axis_name, rotated_copies=folded
         )
+        self.int8_blocks = int8_blocks
+        self.block_specs = block_partition_specs(config, self.tp, axis_name=axis_name)
+        if int8_blocks:  # a prefix: one spec for a weight's values, scales and offsets
+            self.param_specs = {**self.param_specs, BLOCKS: self.block_specs}
         self.cache_spec = cache_partition_spec(config, self.tp, axis_name=axis_name)
         self._cache_specs = {
             f"layer_{i}": {"k": self.cache_spec, "v": self.cache_spec}
@@ -1067,6 +1148,16 @@ class TensorParallelGemma3:
     def param_shardings(self) -> Params:
         """A NamedSharding for every parameter the model runs on (`param_specs`)."""
         return jax.tree.map(lambda spec: NamedSharding(self.mesh, spec), self.param_specs)
+
+    def block_shardings(self, blocks: Params) -> Params:
+        """A NamedSharding for every array of `blocks` (the `BLOCKS` tree), by its weight's
+        spec (`block_partition_specs`)."""
+        return jax.tree.map(
+            lambda spec, weight: jax.tree.map(lambda _: NamedSharding(self.mesh, spec), weight),
+            self.block_specs,
+            blocks,
+            is_leaf=lambda x: isinstance(x, P),
+        )
 
     def checkpoint_shardings(self) -> Params:
         """A NamedSharding for every checkpoint parameter (the tree of `param_shapes`)."""

@@ -58,6 +58,7 @@ __all__ = [
     "Gemma3Hparams",
     "expected_param_shapes",
     "hparams_mismatch",
+    "load_gguf_blocks",
     "load_gguf_params",
     "open_gguf",
     "read_gguf_hparams",
@@ -356,6 +357,70 @@ def load_gguf_params(
     params["final_norm"] = {"scale": norm("output_norm.weight")}
     _check_tree(params, expected_param_shapes(hp), path)
     return params
+
+
+# The decode weights in int8 blocks (`models.gemma3.BLOCKS`) and the GGUF tensors they are.
+_BLOCK_WEIGHTS = {
+    "q": "attn_q",
+    "k": "attn_k",
+    "v": "attn_v",
+    "attn_out": "attn_output",
+    "linear": "ffn_down",
+}
+
+
+def load_gguf_blocks(
+    path_or_reader: str | os.PathLike[str] | Any,
+    expected: Gemma3Hparams = GEMMA3_270M,
+) -> dict[str, Any]:
+    """The decode weights of a Gemma 3 GGUF file in int8 blocks, as stored (each type written
+    exactly, `models.gguf_blocks`): the tree `models.gemma3.block_partition_specs` names, of
+    {"values", "scales"[, "offsets"]} numpy arrays, each [..., O, I] as the file's (out, in)
+    matrix; "gating" stacks ffn_gate and ffn_up ([2, F, D], zero offsets for one that has none
+    where the other has some). ValueError naming the file for a file `load_gguf_params` would
+    reject, or a tensor of a type with no int8 form (`gguf_blocks.SUPPORTED`)."""
+    from models.gguf_blocks import int8_blocks
+
+    reader, path = _as_reader(path_or_reader)
+    hp = read_gguf_hparams(reader, expected)
+    want = _expected_gguf_shapes(hp)
+    tensors = {t.name: t for t in reader.tensors}
+    if missing := sorted(set(want) - set(tensors)):
+        raise _err(path, f"missing tensors {missing[:8]} ({len(missing)})")
+
+    def get(name: str) -> dict[str, np.ndarray]:
+        try:
+            blocks = int8_blocks(tensors[name])
+        except ValueError as e:
+            raise _err(path, str(e)) from e
+        if tuple(blocks.values.shape) != want[name]:
+            shape = blocks.values.shape
+            raise _err(path, f"tensor {name!r} has shape {shape}, expected {want[name]}")
+        arrays = {"values": blocks.values, "scales": blocks.scales}
+        if blocks.offsets is not None:
+            arrays["offsets"] = blocks.offsets
+        if not all(np.isfinite(a).all() for k, a in arrays.items() if k != "values"):
+            raise _err(path, f"tensor {name!r} has non-finite scales or offsets")
+        return arrays
+
+    tree: dict[str, Any] = {"head": get("token_embd.weight")}
+    for i in range(hp.num_layers):
+        b = f"blk.{i}."
+        layer = {name: get(f"{b}{source}.weight") for name, source in _BLOCK_WEIGHTS.items()}
+        layer["gating"] = _stacked(get(f"{b}ffn_gate.weight"), get(f"{b}ffn_up.weight"), path=path)
+        tree[f"layer_{i}"] = layer
+    return tree
+
+
+def _stacked(*weights: dict[str, np.ndarray], path: Path) -> dict[str, np.ndarray]:
+    """Weights in int8 blocks of one shape and group size stacked on a new leading axis."""
+    if len({w["scales"].shape for w in weights}) != 1:
+        raise _err(path, "ffn_gate and ffn_up have different group sizes")
+    if any("offsets" in w for w in weights):
+        weights = tuple(
+            {**w, "offsets": w.get("offsets", np.zeros_like(w["scales"]))} for w in weights
+        )
+    return {key: np.stack([w[key] for w in weights]) for key in weights[0]}
 
 
 def _check_tree(params: dict[str, Any], shapes: dict[str, Any], path: Path) -> None:

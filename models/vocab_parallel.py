@@ -68,10 +68,14 @@ def logits_block(
     once at memory speed (XLA:CPU's dot runs at half of it), else XLA's dot."""
     rows = math.prod(x.shape[:-1])
     flat = head_gemv.rows_times_table(x.reshape(rows, x.shape[-1]), table_block)  # [rows, V/T]
-    logits = flat.reshape(*x.shape[:-1], -1)
-    if softcap is not None:
-        logits = jnp.tanh(logits / softcap) * softcap
-    return logits
+    return soft_capped(flat.reshape(*x.shape[:-1], -1), softcap)
+
+
+def soft_capped(logits: jax.Array, softcap: float | None) -> jax.Array:
+    """gemma's final soft cap, softcap * tanh(logits / softcap); None: the logits as they are."""
+    if softcap is None:
+        return logits
+    return jnp.tanh(logits / softcap) * softcap
 
 
 def embed(tokens: jax.Array, table_block: jax.Array, axis_name: str = AXIS) -> jax.Array:

@@ -68,6 +68,8 @@ def test_streams_one_prompt_and_reports_the_gate():
         (["--prompt", "x", "--top-p", "0"], "top_p must be in"),
         (["--prompt", "x", "--temperature", "-1"], "temperature must be >= 0"),
         (["--prompt", "x", "--prompt-file", "/nonexistent/p.txt"], "No such file"),
+        (["--prompt", "x", "--weights", "gguf"], "only the packaged gemma3-270m checkpoint"),
+        (["--prompt", "x", "--weights", "int4"], "invalid choice: 'int4'"),
     ],
 )
 def test_bad_input_is_a_usage_error(args, message, capsys):

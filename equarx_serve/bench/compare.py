@@ -132,6 +132,7 @@ class CompareConfig:
     tp: int = 2
     all_reduce: MethodSpec = dataclasses.field(default_factory=lambda: parse_method("psum"))
     dtype: str = "bfloat16"
+    weights: str = "bf16"  # the decode weights (`PrefillEngine.from_name`)
     checkpoint: Path | None = None  # an orbax checkpoint and its tokenizer (llama.cpp skipped)
     tokenizer: Path | None = None
     seq_lens: tuple[int, ...] = DEFAULT_SEQ_LENS
@@ -286,7 +287,8 @@ class ProjectSide:
         self.generators = {b: Generator(engine, max_batch=b) for b in batches}
         self.tokenizer = self.generators[batches[0]].tokenizer
         dtype = engine.dtype.name if hasattr(engine.dtype, "name") else str(engine.dtype)
-        self.name = f"this project (TP={engine.tp}, {dtype}, {engine.all_reduce.name})"
+        weights = "" if engine.weights == "bf16" else ", decode on the GGUF's blocks"
+        self.name = f"this project (TP={engine.tp}, {dtype}, {engine.all_reduce.name}{weights})"
 
     def prefill(self, tokens: list[int]) -> float:
         import jax
@@ -522,6 +524,7 @@ def _load_engine(config: CompareConfig) -> Any:
         return PrefillEngine.from_name(
             config.model, config.tp, all_reduce, config.checkpoint, config.tokenizer,
             dtype=jnp.dtype(config.dtype), max_length=max(*config.seq_lens, 1024),
+            weights=config.weights,
         )  # fmt: skip
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -720,6 +723,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
         tp=args.tp,
         all_reduce=args.all_reduce,
         dtype=args.dtype,
+        weights=args.weights,
         checkpoint=args.checkpoint,
         tokenizer=args.tokenizer,
         seq_lens=tuple(sorted(set(args.seq_lens))),

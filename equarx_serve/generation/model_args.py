@@ -16,6 +16,8 @@ DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_TP = 2
 DTYPES = ("bfloat16", "float32")
+WEIGHTS = ("bf16", "gguf")  # generation.prefill.WEIGHTS (no JAX at import)
+DEFAULT_WEIGHTS = "bf16"
 
 
 def add_model_arguments(
@@ -42,6 +44,13 @@ def add_model_arguments(
             metavar="METHOD",
             help="NAME or NAME:key=value,... (default: %(default)s; see bench allreduce)",
         )
+    group.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default=DEFAULT_WEIGHTS,
+        help="decode steps on the checkpoint widened to bf16, or on the GGUF file's own "
+        "quantized blocks (int8 form; the real 270M only; default: %(default)s)",
+    )
     group.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     group.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
     if dtype:
@@ -82,6 +91,7 @@ def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
             tokenizer=args.tokenizer,
             max_length=max_length,
             dtype=jnp.dtype(args.dtype),
+            weights=args.weights,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -34,9 +34,12 @@ from jax.sharding import PartitionSpec as P
 from equarx_serve.collectives import AllReduce, get_all_reduce
 from equarx_serve.collectives.hadamard import HadamardRotation
 from models.config import DEFAULT_MAX_LENGTH, Gemma3Config, get_config
-from models.gemma3 import AXIS, TensorParallelGemma3, init_params, mask_from_lengths
+from models.gemma3 import AXIS, BLOCKS, TensorParallelGemma3, init_params, mask_from_lengths
 
 MIN_BUCKET = 16
+# The decode weights (`PrefillEngine.from_name`): the checkpoint's widened to bf16, or the GGUF
+# file's own quantized blocks.
+WEIGHTS = ("bf16", "gguf")
 INIT_SEED = 0  # random-init configs: init_params(config, PRNGKey(INIT_SEED))
 
 Params = dict[str, Any]
@@ -113,6 +116,9 @@ class PrefillEngine:
         all-reduce is on the wire while the next chunk computes (`models.gemma3`, "Overlap");
         1: whole messages; "auto" (default): chunks where they pay, chosen by the run
         (`collectives.overlap.auto_chunks`: 2 CPU processes on a slow measured link, a long prompt).
+      blocks: The decode weights in int8 blocks (`models.gguf.load_gguf_blocks`: a GGUF file's
+        own quantized weights), or None: decode steps then run on them (`weights` "gguf"),
+        prefill on `params` either way.
     """
 
     def __init__(
@@ -126,6 +132,7 @@ class PrefillEngine:
         dtype: jnp.dtype | None = None,
         max_length: int = DEFAULT_MAX_LENGTH,
         overlap_chunks: int | Literal["auto"] = "auto",
+        blocks: Params | None = None,
         _sharded: bool = False,
         _folds: dict[HadamardRotation, Params] | None = None,
     ):
@@ -145,12 +152,20 @@ class PrefillEngine:
         self.max_length = max_length
         # Raises ValueError when the model cannot be split tp ways, or for a bad all-reduce.
         self.model = TensorParallelGemma3(
-            config, mesh, get_all_reduce(all_reduce), overlap_chunks=overlap_chunks
+            config,
+            mesh,
+            get_all_reduce(all_reduce),
+            overlap_chunks=overlap_chunks,
+            int8_blocks=blocks is not None,
         )
         self.all_reduce = self.model.all_reduce
         self.checkpoint_params = params if _sharded else self._shard(params, dtype)
+        self.blocks = blocks if _sharded or blocks is None else self._place_blocks(blocks)
+        self.weights = "bf16" if blocks is None else "gguf"
         self._folds = {} if _folds is None else _folds  # shared with `with_all_reduce` engines
         self.params = self._model_params()
+        if self.blocks is not None:
+            self.params = {**self.params, BLOCKS: self.blocks}
         self.dtype = jax.tree.leaves(self.params)[0].dtype
         self._replicated = NamedSharding(mesh, P())
         self._programs: dict[tuple[int, int, bool, bool], CompiledPrefill] = {}
@@ -168,6 +183,14 @@ class PrefillEngine:
             return _global_array(host, sharding)
 
         return jax.tree.map(place, params, self.model.checkpoint_shardings())
+
+    def _place_blocks(self, blocks: Params) -> Params:
+        def place(value, sharding):
+            if isinstance(value, jax.Array) and value.is_fully_addressable:
+                return jax.device_put(value, sharding)
+            return _global_array(np.asarray(value), sharding)
+
+        return jax.tree.map(place, blocks, self.model.block_shardings(blocks))
 
     def _model_params(self) -> Params:
         """The parameters the model runs on: the checkpoint's, or its folded copy (made once
@@ -194,6 +217,7 @@ class PrefillEngine:
             mesh=self.mesh,
             max_length=self.max_length,
             overlap_chunks=overlap_chunks,
+            blocks=self.blocks,
             _sharded=True,
             _folds=self._folds,
         )
@@ -212,12 +236,23 @@ class PrefillEngine:
         dtype: jnp.dtype | None = jnp.bfloat16,
         max_length: int = DEFAULT_MAX_LENGTH,
         overlap_chunks: int | Literal["auto"] = "auto",
+        weights: str = "bf16",
     ) -> PrefillEngine:
         """An engine for the config named `model`: with `checkpoint` (an orbax folder) and
         `tokenizer` (its SentencePiece .model), those weights; else "gemma3-270m" loads the
         real weights (`models.cache.load_gemma3_270m`) and other names are random-init
-        (`init_params` with seed `INIT_SEED`)."""
+        (`init_params` with seed `INIT_SEED`). `weights` "gguf": decode steps on the GGUF
+        file's own quantized weights (`load_gguf_blocks`; only for the real weights)."""
+        if weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        if weights == "gguf" and (model != "gemma3-270m" or checkpoint is not None):
+            raise ValueError(
+                "weights 'gguf' decodes on a GGUF file's quantized blocks: only the packaged "
+                f"gemma3-270m checkpoint has one (got model {model!r}"
+                f"{'' if checkpoint is None else ', an orbax checkpoint'})"
+            )
         config = get_config(model)
+        blocks = None
         info: dict[str, Any] = {"model": model}
         tok = None
         if (checkpoint is None) != (tokenizer is None):
@@ -238,6 +273,10 @@ class PrefillEngine:
                 gguf_sha256=load_info.gguf_sha256,
                 weights_sha256=load_info.weights_sha256,
             )
+            if weights == "gguf":
+                from models.gguf import load_gguf_blocks
+
+                blocks = load_gguf_blocks(load_info.gguf_path)
         else:
             params = init_params(config, jax.random.PRNGKey(INIT_SEED))
             info.update(source="random-init", seed=INIT_SEED)
@@ -249,7 +288,9 @@ class PrefillEngine:
             dtype=dtype,
             max_length=max_length,
             overlap_chunks=overlap_chunks,
+            blocks=blocks,
         )
+        info["weights"] = weights
         engine.tokenizer, engine.info = tok, info
         return engine
 

@@ -20,8 +20,9 @@ dequantized (`dequantize`).
 Numerics: both dequantize each weight to the f32 that gguf.quants' dequantize gives (the
 checkpoint's exact value for Q8_0, Q5_0 and Q6_K, whose scale times integer is exact in f32;
 Q4_K's minimum is subtracted in f32 as gguf does), multiply it by x (bf16, widened) and sum in
-f32, each in its own order: the two differ from each other, and from the exact (f64) product of x and the dequantized
-table, in the last bits of the f32 sums (tested against that exact product).
+f32, each in its own order: the two differ from each other, and from the exact (f64) product
+of x and the dequantized table, in the last bits of the f32 sums (tested against that exact
+product).
 """
 
 from __future__ import annotations
