@@ -93,7 +93,7 @@ from jax.sharding import PartitionSpec as P
 from equarx_serve.collectives import AllReduce, get_all_reduce, overlap
 from equarx_serve.collectives.hadamard import HadamardRotation
 from equarx_serve.collectives.overlap import Started
-from equarx_serve.kernels import block_gemv, head_gemv
+from equarx_serve.kernels import block_gemv, decode_attention, head_gemv
 from models import vocab_parallel
 from models.attention import local_attention, local_decode_attention, masked_attention
 from models.config import AttentionType, Gemma3Config
@@ -578,6 +578,10 @@ class Attention(nn.Module):
         window, softcap = c.sliding_window_size, c.attn_logits_softcap
         key = self._kv_for_local_heads(cache["k"])  # [B, S, K, H]
         value = self._kv_for_local_heads(cache["v"])
+        if decoding and decode_attention.pays(query, key):  # the visible entries read once
+            last = positions[:, 0]  # [B]: keys at cache index <= the token's position
+            first = jnp.maximum(last - (window - 1), 0) if local else jnp.zeros_like(last)
+            return decode_attention.attend(query, key, value, first, last, softcap=softcap)
         if local and decoding:
             return local_decode_attention(
                 query, key, value, positions[:, 0], window=window, softcap=softcap

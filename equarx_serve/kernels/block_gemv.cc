@@ -32,21 +32,17 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using equarx::Bf16ToF32;
+
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kLanes = 16;
-
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &widened, sizeof(value));
-  return value;
-}
 
 // What one build multiplies with: Acc, a register of kLanes f32. Weights widens 16 int8 and
 // dequantizes them (value * scale, minus the offset where kOffsets: the f32 operations

@@ -29,20 +29,16 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
+using equarx::Bf16ToF32;
 
-inline float Bf16ToF32(uint16_t bits) {
-  uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &widened, sizeof(value));
-  return value;
-}
+constexpr int64_t kMaxRows = 8;
 
 inline float ToF32(uint16_t bf16) { return Bf16ToF32(bf16); }
 inline float ToF32(float value) { return value; }

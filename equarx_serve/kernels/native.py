@@ -6,10 +6,11 @@
 
 A kernel's source is compiled with the system's C++ compiler (`$CXX`, else `c++` or `g++`;
 `-O3 -march=native` plus its own flags, ~4 s) into `$EQUARX_SERVE_CACHE/kernels` (default
-`~/.cache/equarx-serve/kernels`), keyed by the source, the flags, the jaxlib version and the
-CPU's features, and loaded with ctypes. Callers fall back to their XLA formulation where
-`available()` is False: no compiler, a failed build (a warning, once a kernel and process), or
-`EQUARX_SERVE_NATIVE_KERNELS=0`; and on TPU/GPU through `lax.platform_dependent`.
+`~/.cache/equarx-serve/kernels`), keyed by the source, the headers beside it (`bf16.h`), the
+flags, the jaxlib version and the CPU's features, and loaded with ctypes. Callers fall back to
+their XLA formulation where `available()` is False: no compiler, a failed build (a warning,
+once a kernel and process), or `EQUARX_SERVE_NATIVE_KERNELS=0`; and on TPU/GPU through
+`lax.platform_dependent`.
 """
 
 from __future__ import annotations
@@ -71,8 +72,10 @@ class NativeKernel:
         compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
         if compiler is None:
             raise RuntimeError("no C++ compiler (c++, g++ or $CXX) on the PATH")
+        headers = sorted(self.source.parent.glob("*.h"))  # the sources' shared headers
         parts = [
             self.source.read_bytes(),
+            *(header.read_bytes() for header in headers),
             " ".join(self.flags).encode(),
             jaxlib.__version__.encode(),
         ]
@@ -83,8 +86,8 @@ class NativeKernel:
         library.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
             built = Path(tmp) / library.name
-            include = f"-I{jax.ffi.include_dir()}"
-            command = [compiler, *self.flags, include, str(self.source), "-o", str(built)]
+            includes = [f"-I{jax.ffi.include_dir()}", f"-I{self.source.parent}"]
+            command = [compiler, *self.flags, *includes, str(self.source), "-o", str(built)]
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")

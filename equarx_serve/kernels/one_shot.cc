@@ -56,31 +56,20 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using equarx::Bf16ToF32;
+using equarx::F32ToBf16;
+
 constexpr int8_t kNonFiniteCode = -128;
 constexpr int64_t kMaxBlock = 256;
 
 constexpr float kInt8Max = 127.0f;
-
-inline float Bf16ToF32(uint16_t bits) {
-  const uint32_t widened = static_cast<uint32_t>(bits) << 16;
-  float value;
-  std::memcpy(&value, &widened, sizeof(value));
-  return value;
-}
-
-inline uint16_t F32ToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 // In-place orthonormal fast Walsh-Hadamard transform of B values: log2(B) stages, stride B/2
 // first, each value halved after every second stage (exact, and the values never grow past
