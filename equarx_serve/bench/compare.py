@@ -649,6 +649,7 @@ def write_json(result: Comparison, config: CompareConfig, path: Path) -> None:
         "tp": config.tp,
         "all_reduce": dataclasses.asdict(config.all_reduce),
         "dtype": config.dtype,
+        "weights": config.weights,
         "seq_lens": list(config.seq_lens),
         "batches": list(config.batches),
         "max_tokens": config.max_tokens,
