@@ -136,6 +136,8 @@ def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harn
         )
     if args.text is not None and not args.text.exists():
         raise UsageError(f"--text: no such file or folder: {args.text}")
+    if args.weights == "gguf" and (args.model != "gemma3-270m" or args.checkpoint is not None):
+        raise UsageError("--weights gguf scores the packaged gemma3-270m GGUF's blocks only")
     labels = [m.label for m in args.methods]
     if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
         raise UsageError(f"method(s) given more than once: {', '.join(duplicates)}")
@@ -150,6 +152,7 @@ def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harn
         seq_len=args.seq_len,
         num_seqs=args.num_seqs,
         batch_size=args.batch_size,
+        weights=args.weights,
         greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens,
         greedy_prompt_len=min(harness.DEFAULT_GREEDY_PROMPT_LEN, args.seq_len),

@@ -55,6 +55,9 @@ FLOOR_DTYPE = "float32"
 # the strawman's numbers do not move (the quick gate CI runs still checks that it stays bad).
 DEFAULT_METHODS = ("equarx-int8",)
 DEFAULT_SEQ_LEN = 512
+DEFAULT_DECODE_PROMPTS = 8  # --weights gguf: teacher-forced decode windows
+DEFAULT_DECODE_PROMPT_LEN = 128
+DEFAULT_DECODE_STEPS = 32
 DEFAULT_NUM_SEQS = 16
 
 
@@ -92,6 +95,12 @@ class EvalConfig:
     greedy_tokens: int = DEFAULT_GREEDY_TOKENS
     checkpoint: Path | None = None
     tokenizer: Path | None = None
+    # "gguf": also score the decode steps on the GGUF file's own quantized weights
+    # (`eval.decode_weights`), teacher-forced over `decode_prompts` windows.
+    weights: str = "bf16"
+    decode_prompts: int = DEFAULT_DECODE_PROMPTS
+    decode_prompt_len: int = DEFAULT_DECODE_PROMPT_LEN
+    decode_steps: int = DEFAULT_DECODE_STEPS
 
     def all_methods(self) -> tuple[MethodSpec, ...]:
         """The reference, then the rest in the order given (each once)."""
@@ -318,6 +327,7 @@ def run_eval(
         for label, numbers in _greedy(run, prompts, config.greedy_tokens).items():
             reports[label].update(numbers)
 
+    decode = _score_decode_weights(config, run, windows, log) if config.weights == "gguf" else None
     floor = reports.pop(FLOOR)
     for numbers in (*reports.values(), floor):  # the floor last: 1x itself
         numbers.update(metrics.relative_to_floor(numbers, floor))
@@ -348,9 +358,36 @@ def run_eval(
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "wall_s": round(time.perf_counter() - started, 1),
     }
-    return {
+    report = {
         "reference": REFERENCE,
         "compute_floor": floor,
         "methods": reports,
         "settings": settings,
     }
+    if decode is not None:
+        report["decode_weights"] = decode
+    return report
+
+
+def _score_decode_weights(
+    config: EvalConfig, run: _Run, windows: np.ndarray, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """The decode steps on the GGUF blocks against bf16 and the exact checkpoint
+    (`eval.decode_weights`), on the first windows' prompts and their continuations."""
+    from eval import decode_weights
+
+    length, steps = config.decode_prompt_len, config.decode_steps
+    if length + steps > windows.shape[1]:
+        raise ValueError(
+            f"decode prompts of {length} tokens and {steps} steps need windows of "
+            f"{length + steps} tokens (--seq-len {windows.shape[1]})"
+        )
+    chosen = windows[: config.decode_prompts]
+    log(f"decode weights: {len(chosen)} prompts of {length} tokens, {steps} teacher-forced steps")
+    engines = {
+        decode_weights.REFERENCE: run.reference,
+        decode_weights.GGUF: run.reference.with_gguf_blocks(),
+        decode_weights.EXACT: run.engines[FLOOR],
+    }
+    prompts = chosen[:, :length].tolist()
+    return decode_weights.score_decode_weights(engines, prompts, chosen[:, length : length + steps])

@@ -84,15 +84,43 @@ def _title(report: dict[str, Any]) -> str:
     )
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The summary as aligned text columns."""
-    headers = [header for header, _, _ in COLUMNS]
-    cells = _cells(report)
+def _aligned(headers: list[str], cells: list[list[str]]) -> list[str]:
     widths = [max(len(r[i]) for r in [headers, *cells]) for i in range(len(headers))]
-    lines = [_title(report), ""]
+    lines = []
     for row in [headers, *cells]:
         first, *rest = zip(row, widths, strict=True)
         lines.append("  ".join([first[0].ljust(first[1]), *(c.rjust(w) for c, w in rest)]))
+    return lines
+
+
+def decode_weights_cells(decode: dict[str, Any]) -> list[list[str]]:
+    """The `--weights gguf` section's rows: (decode weights, against, KL, top-1, max |diff|)."""
+    rows = [
+        ("gguf blocks", "bf16", decode["vs_bf16"]["gguf"]),
+        ("gguf blocks", "exact (float32)", decode["vs_float32"]["gguf"]),
+        ("bf16 (the floor)", "exact (float32)", decode["vs_float32"]["bf16"]),
+    ]
+    return [
+        [weights, against, f"{s['kl']:.2e}", f"{s['top1']:.3f}", f"{s['max_abs']:.3f}"]
+        for weights, against, s in rows
+    ]
+
+
+DECODE_HEADERS = ["decode weights", "against", "KL", "top-1 agree", "max |diff|"]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The summary as aligned text columns (and the decode weights' section, if scored)."""
+    headers = [header for header, _, _ in COLUMNS]
+    lines = [_title(report), "", *_aligned(headers, _cells(report))]
+    if decode := report.get("decode_weights"):
+        lines += [
+            "",
+            f"decode steps, teacher-forced: {decode['prompts']} prompts of "
+            f"{decode['prompt_len']} tokens x {decode['steps']} steps "
+            f"(gguf KL to exact: {decode['gguf_kl_to_float32_over_floor']:.2f}x the floor's)",
+            *_aligned(DECODE_HEADERS, decode_weights_cells(decode)),
+        ]
     return "\n".join(lines)
 
 

@@ -383,6 +383,7 @@ def test_cli_gate_exit_codes_and_reports(tmp_path, capsys, monkeypatch):
         (["--corpus", "wikipedia"], "invalid choice"),
         (["--seq-len", "40000"], "longer than Gemma 3's context"),
         (["--tp", "3"], "3"),
+        (["--weights", "gguf"], "packaged gemma3-270m GGUF"),
     ],
 )
 def test_cli_rejects_bad_input_with_a_usage_error(flags, message, capsys):

@@ -158,3 +158,23 @@ def test_report_prints_every_table(results: Path, capsys):
     out = capsys.readouterr().out
     for name in ("allreduce-n2-1gbit", "eval-tp2-no-provenance", "lowering", "prefill-tp2-300mbit"):
         assert f"## {name}" in out
+
+
+def test_an_eval_with_decode_weights_renders_its_decode_section():
+    scores = lambda kl, top1: {"kl": kl, "top1": top1, "max_abs": 0.5, "steps": 256}
+    document = {
+        "compute_floor": {},
+        "methods": {},
+        "decode_weights": {
+            "vs_bf16": {"gguf": scores(1e-3, 0.98)},
+            "vs_float32": {"bf16": scores(2e-3, 0.97), "gguf": scores(5e-4, 0.99)},
+        },
+    }
+    assert report.kind_of(document) == "eval-decode"
+    table = report.eval_decode_table(document)
+    assert [row[:3] for row in table.rows] == [
+        ["GGUF blocks (int8 form)", "bf16 decode", "1.00e-03"],
+        ["GGUF blocks (int8 form)", "exact checkpoint (float32)", "5.00e-04"],
+        ["bf16 (the floor)", "exact checkpoint (float32)", "2.00e-03"],
+    ]
+    assert table.rows[1][3] == "99.00%"

@@ -70,6 +70,8 @@ def kind_of(document: dict[str, Any]) -> str:
     """Which benchmark wrote `document`, from its own keys."""
     if document.get("benchmark") == "lowering":
         return "lowering"
+    if "compute_floor" in document and "decode_weights" in document:
+        return "eval-decode"
     if "compute_floor" in document and "methods" in document:
         return "eval"
     if "link_measurements" in document:
@@ -227,6 +229,21 @@ def eval_table(document: dict[str, Any]) -> Table:
     return Table(header, rows)
 
 
+def eval_decode_table(document: dict[str, Any]) -> Table:
+    """`eval --weights gguf`: the teacher-forced decode steps on the GGUF blocks against the
+    bf16 decode and the exact (float32) checkpoint, and bf16 against exact (the floor)."""
+    decode = document["decode_weights"]
+    header = ["decode weights", "against", "KL mean", "top-1 agreement", "max |logit diff|"]
+    entries = [
+        ("GGUF blocks (int8 form)", "bf16 decode", decode["vs_bf16"]["gguf"]),
+        ("GGUF blocks (int8 form)", "exact checkpoint (float32)", decode["vs_float32"]["gguf"]),
+        ("bf16 (the floor)", "exact checkpoint (float32)", decode["vs_float32"]["bf16"]),
+    ]
+    rows = [[weights, against, f"{m['kl']:.2e}", _pct4(m["top1"]), f"{m['max_abs']:.3f}"]
+            for weights, against, m in entries]  # fmt: skip
+    return Table(header, rows)
+
+
 def _pct4(value: float) -> str:
     return f"{100 * value:.2f}%"
 
@@ -290,6 +307,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {
     "allreduce-plain": allreduce_plain_table,
     "prefill": prefill_table,
     "eval": eval_table,
+    "eval-decode": eval_decode_table,
     "lowering": lowering_table,
     "compare": compare_table,
     "serve": serve_table,

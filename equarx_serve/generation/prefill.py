@@ -160,7 +160,7 @@ class PrefillEngine:
         )
         self.all_reduce = self.model.all_reduce
         self.checkpoint_params = params if _sharded else self._shard(params, dtype)
-        self.blocks = blocks if _sharded or blocks is None else self._place_blocks(blocks)
+        self.blocks = None if blocks is None else self._place_blocks(blocks)
         self.weights = "bf16" if blocks is None else "gguf"
         self._folds = {} if _folds is None else _folds  # shared with `with_all_reduce` engines
         self.params = self._model_params()
@@ -186,8 +186,8 @@ class PrefillEngine:
 
     def _place_blocks(self, blocks: Params) -> Params:
         def place(value, sharding):
-            if isinstance(value, jax.Array) and value.is_fully_addressable:
-                return jax.device_put(value, sharding)
+            if isinstance(value, jax.Array):  # placed: kept (moved if it must be, and can)
+                return jax.device_put(value, sharding) if value.is_fully_addressable else value
             return _global_array(np.asarray(value), sharding)
 
         return jax.tree.map(place, blocks, self.model.block_shardings(blocks))
@@ -222,6 +222,30 @@ class PrefillEngine:
             _folds=self._folds,
         )
         engine.tokenizer, engine.info = self.tokenizer, dict(self.info)
+        return engine
+
+    def with_gguf_blocks(self) -> PrefillEngine:
+        """The same model and (already sharded) parameters with the decode steps on the GGUF
+        file's own quantized weights (`models.gguf.load_gguf_blocks` of `info["gguf_path"]`);
+        ValueError for an engine whose weights did not come from a GGUF file."""
+        from models.gguf import load_gguf_blocks
+
+        path = self.info.get("gguf_path")
+        if path is None:
+            raise ValueError("decode on GGUF blocks needs an engine loaded from a GGUF file")
+        engine = PrefillEngine(
+            self.config,
+            self.checkpoint_params,
+            tp=self.tp,
+            all_reduce=self.all_reduce,
+            mesh=self.mesh,
+            max_length=self.max_length,
+            overlap_chunks=self.model.overlap_chunks,
+            blocks=load_gguf_blocks(path),
+            _sharded=True,
+            _folds=self._folds,
+        )
+        engine.tokenizer, engine.info = self.tokenizer, {**self.info, "weights": "gguf"}
         return engine
 
     @classmethod
