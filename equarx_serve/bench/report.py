@@ -233,7 +233,7 @@ def eval_decode_table(document: dict[str, Any]) -> Table:
     """`eval --weights gguf`: the teacher-forced decode steps on the GGUF blocks against the
     bf16 decode and the exact (float32) checkpoint, and bf16 against exact (the floor)."""
     decode = document["decode_weights"]
-    header = ["decode weights", "against", "KL mean", "top-1 agreement", "max |logit diff|"]
+    header = ["decode weights", "against", "KL mean", "top-1 agreement", "max abs logit diff"]
     entries = [
         ("GGUF blocks (int8 form)", "bf16 decode", decode["vs_bf16"]["gguf"]),
         ("GGUF blocks (int8 form)", "exact checkpoint (float32)", decode["vs_float32"]["gguf"]),
