@@ -147,3 +147,22 @@ def test_real_270m_greedy_outputs_unchanged():
             assert _top_gaps(engine, prompt, recorded[: same + 1])[same] <= step
     assert sum(c.tokens == r for c, r in zip(completions, REAL_GREEDY_PSUM, strict=True)) >= 3
     assert completions[0].text == " jumps over the lazy dog.\n\nThe lazy dog is a dog that is lazy"
+
+
+def test_real_270m_greedy_on_the_gguf_blocks_stays_on_the_bf16_model_s_choices():
+    """`weights="gguf"` (the decode steps on the file's own quantized weights, one row for one
+    request): greedy tokens the bf16 whole-sequence prefill ranks top-1, or within a logit of
+    it (the two weight sets differ by the bf16 rounding of the checkpoint: the eval's KL between
+    their decodes is 1.8e-3), and the first prompt's text."""
+    mesh_of(2)
+    engine = PrefillEngine.from_name("gemma3-270m", 2, "psum", max_length=256, weights="gguf")
+    assert engine.weights == "gguf"
+    generator = Generator(engine, max_batch=2)
+    prompts = [ids for _, ids in REAL_PROMPTS[:2]]
+    completions = generator.generate(prompts, SamplingParams(max_tokens=12))
+    gaps = np.concatenate(  # the prefill runs on the bf16 weights
+        [_top_gaps(engine, p, c.tokens) for p, c in zip(prompts, completions, strict=True)]
+    )
+    assert {c.finish_reason for c in completions} == {"length"}
+    assert np.mean(gaps == 0) >= 0.9 and gaps.max() <= 1.0
+    assert completions[0].text.startswith(" jumps over the lazy dog.")
