@@ -24,7 +24,11 @@ from pathlib import Path
 
 from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
-from equarx_serve.generation.model_args import add_model_arguments, check_model_arguments
+from equarx_serve.generation.model_args import (
+    add_model_arguments,
+    check_model_arguments,
+    resolved_weights,
+)
 from eval import harness
 from eval.corpus import CORPORA, DEFAULT_CORPUS
 from models.config import DEFAULT_MAX_LENGTH
@@ -34,7 +38,10 @@ OUT_DIR = Path("eval-results")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of `eval`."""
-    add_model_arguments(parser.add_argument_group("model"), all_reduce=False, dtype=False)
+    # bf16 by default: "gguf" adds the decode steps' scoring (`eval.decode_weights`)
+    add_model_arguments(
+        parser.add_argument_group("model"), all_reduce=False, dtype=False, weights="bf16"
+    )
     parser.add_argument(
         "--methods",
         nargs="+",
@@ -136,7 +143,8 @@ def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harn
         )
     if args.text is not None and not args.text.exists():
         raise UsageError(f"--text: no such file or folder: {args.text}")
-    if args.weights == "gguf" and (args.model != "gemma3-270m" or args.checkpoint is not None):
+    packaged = args.model == "gemma3-270m" and args.checkpoint is None
+    if resolved_weights(args) == "gguf" and not packaged:
         raise UsageError("--weights gguf scores the packaged gemma3-270m GGUF's blocks only")
     labels = [m.label for m in args.methods]
     if duplicates := sorted({label for label in labels if labels.count(label) > 1}):
@@ -152,7 +160,7 @@ def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harn
         seq_len=args.seq_len,
         num_seqs=args.num_seqs,
         batch_size=args.batch_size,
-        weights=args.weights,
+        weights=resolved_weights(args),
         greedy_prompts=args.greedy_prompts,
         greedy_tokens=args.greedy_tokens,
         greedy_prompt_len=min(harness.DEFAULT_GREEDY_PROMPT_LEN, args.seq_len),

@@ -17,6 +17,10 @@ cache or none). Later calls read the arrays back and check every sha256 against 
 (~1 s per GB); a cache that is missing its manifest, truncated or altered is moved aside and
 rebuilt.
 
+`load_gguf_blocks_cached(path, sha256)` keeps the decode weights in int8 blocks
+(`models.gguf.load_gguf_blocks`, `--weights gguf`) the same way, in `int8_blocks/` and
+`int8_blocks.json` of the same folder.
+
 `params_sha256(params)` is the weights checksum: sha256 over every array's key, dtype, shape
 and raw little-endian C-order bytes, keys sorted. It does not depend on the file format, so a
 tree from any loader can be compared with `info.weights_sha256`.
@@ -42,6 +46,7 @@ from models.gguf import (
     GEMMA3_270M,
     Gemma3Hparams,
     hparams_mismatch,
+    load_gguf_blocks,
     load_gguf_params,
     open_gguf,
     read_gguf_hparams,
@@ -53,6 +58,7 @@ __all__ = [
     "LoadInfo",
     "default_cache_root",
     "load_gemma3_270m",
+    "load_gguf_blocks_cached",
     "load_gguf_cached",
     "params_sha256",
 ]
@@ -63,6 +69,8 @@ FORMAT_VERSION = 1
 _MANIFEST = "manifest.json"
 _TOKENIZER = "tokenizer.model"
 _PARAMS = "params"
+_BLOCKS = "int8_blocks"  # `load_gguf_blocks_cached`: the decode weights in int8 blocks
+_BLOCKS_MANIFEST = "int8_blocks.json"
 
 
 class CacheError(ValueError):
@@ -138,13 +146,14 @@ def _file_sha256(path: Path) -> str:
 
 
 # -- writing -------------------------------------------------------------------------------
-def _write_cache(dest: Path, params: dict[str, Any], tokenizer_proto: bytes, meta: dict) -> dict:
-    """Write a complete cache into the new folder `dest`; returns the manifest."""
-    (dest / _PARAMS).mkdir(parents=True)
+def _save_arrays(dest: Path, folder: str, tree: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every leaf of `tree` as `<dest>/<folder>/<key with "/" -> ".">.npy`; their manifest
+    entries (file, dtype, shape, sha256), by key."""
+    (dest / folder).mkdir(parents=True)
     arrays = {}
-    for key, value in sorted(_flatten(params).items()):
+    for key, value in sorted(_flatten(tree).items()):
         a = np.ascontiguousarray(value)
-        name = f"{_PARAMS}/{key.replace('/', '.')}.npy"
+        name = f"{folder}/{key.replace('/', '.')}.npy"
         np.save(dest / name, a, allow_pickle=False)
         arrays[key] = {
             "file": name,
@@ -152,6 +161,12 @@ def _write_cache(dest: Path, params: dict[str, Any], tokenizer_proto: bytes, met
             "shape": list(a.shape),
             "sha256": _array_sha256(a),
         }
+    return arrays
+
+
+def _write_cache(dest: Path, params: dict[str, Any], tokenizer_proto: bytes, meta: dict) -> dict:
+    """Write a complete cache into the new folder `dest`; returns the manifest."""
+    arrays = _save_arrays(dest, _PARAMS, params)
     (dest / _TOKENIZER).write_bytes(tokenizer_proto)
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -195,6 +210,20 @@ def _read_npy(path: Path, dtype: str, shape: tuple[int, ...], sha: str | None) -
     return a
 
 
+def _read_arrays(cache_dir: Path, arrays: dict[str, Any], verify: bool) -> dict[str, np.ndarray]:
+    """The arrays a manifest's entries name, by key (sizes always checked, sha256 if
+    `verify`)."""
+    return {
+        key: _read_npy(
+            cache_dir / entry["file"],
+            entry["dtype"],
+            tuple(entry["shape"]),
+            entry["sha256"] if verify else None,
+        )
+        for key, entry in arrays.items()
+    }
+
+
 def _read_cache(cache_dir: Path, verify: bool) -> tuple[dict[str, Any], bytes, dict[str, Any]]:
     manifest_path = cache_dir / _MANIFEST
     if not manifest_path.is_file():
@@ -206,14 +235,7 @@ def _read_cache(cache_dir: Path, verify: bool) -> tuple[dict[str, Any], bytes, d
     if manifest.get("format_version") != FORMAT_VERSION:
         raise CacheError(f"{manifest_path}: format {manifest.get('format_version')}")
     try:
-        flat = {}
-        for key, entry in manifest["arrays"].items():
-            flat[key] = _read_npy(
-                cache_dir / entry["file"],
-                entry["dtype"],
-                tuple(entry["shape"]),
-                entry["sha256"] if verify else None,
-            )
+        flat = _read_arrays(cache_dir, manifest["arrays"], verify)
         tok_path = cache_dir / manifest["tokenizer"]["file"]
         proto = tok_path.read_bytes()
     except (OSError, KeyError, TypeError, ValueError) as e:
@@ -372,3 +394,44 @@ def load_gemma3_270m(
         verify=verify,
         rebuild=rebuild,
     )
+
+
+def load_gguf_blocks_cached(
+    gguf_path: str | os.PathLike[str],
+    gguf_sha256: str,
+    *,
+    cache_dir: str | os.PathLike[str] | None = None,
+    expected: Gemma3Hparams = GEMMA3_270M,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """The file's decode weights in int8 blocks (`models.gguf.load_gguf_blocks`), through the
+    cache: `<cache root>/<sha256[:16]>/int8_blocks/*.npy` and `int8_blocks.json` (written
+    last, atomically renamed, checked as the parameters' manifest is). Read from the GGUF once;
+    a missing, altered or truncated copy is rebuilt."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_root()
+    entry = root / gguf_sha256[:16]
+    manifest_path = entry / _BLOCKS_MANIFEST
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+            if manifest.get("gguf_sha256") != gguf_sha256:
+                raise CacheError(f"{manifest_path}: made from another file")
+            return _unflatten(_read_arrays(entry, manifest["arrays"], verify))
+        except (OSError, ValueError, KeyError, TypeError) as e:  # CacheError is a ValueError
+            log.warning("rebuilding the int8-blocks cache: %s", e)
+    blocks = load_gguf_blocks(gguf_path, expected)
+    entry.mkdir(parents=True, exist_ok=True)
+    tmp = entry / f".{_BLOCKS}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        arrays = _save_arrays(tmp, _BLOCKS, blocks)  # files named relative to the entry
+        manifest_path.unlink(missing_ok=True)  # no manifest names the files being replaced
+        _discard(entry / _BLOCKS)
+        (tmp / _BLOCKS).rename(entry / _BLOCKS)
+        staged = tmp / _BLOCKS_MANIFEST
+        staged.write_text(json.dumps({"gguf_sha256": gguf_sha256, "arrays": arrays}, indent=1))
+        staged.rename(manifest_path)  # the manifest marks the copy complete
+    except OSError as e:  # another process wrote it meanwhile, or a read-only cache
+        log.info("int8-blocks cache %s not written: %s", entry, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return blocks

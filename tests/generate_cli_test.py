@@ -3,6 +3,7 @@ streamed text), and bad input as one-line usage errors (exit code 2, no tracebac
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -79,3 +80,14 @@ def test_bad_input_is_a_usage_error(args, message, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_weights_auto_decodes_on_the_gguf_blocks_only_where_a_gguf_gives_them():
+    from equarx_serve.generation.model_args import resolved_weights
+
+    args = lambda **kw: argparse.Namespace(**{"weights": "auto", "model": "gemma3-270m",
+                                              "checkpoint": None, **kw})  # fmt: skip
+    assert resolved_weights(args()) == "gguf"
+    assert resolved_weights(args(model="tiny")) == "bf16"
+    assert resolved_weights(args(checkpoint="/some/orbax")) == "bf16"
+    assert resolved_weights(args(weights="bf16")) == "bf16"

