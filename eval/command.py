@@ -27,6 +27,7 @@ from equarx_serve.collectives.registry import parse_method
 from equarx_serve.generation.model_args import (
     add_model_arguments,
     check_model_arguments,
+    has_gguf_blocks,
     resolved_weights,
 )
 from eval import harness
@@ -143,8 +144,7 @@ def config_from_args(args: argparse.Namespace, extra_methods: list[str]) -> harn
         )
     if args.text is not None and not args.text.exists():
         raise UsageError(f"--text: no such file or folder: {args.text}")
-    packaged = args.model == "gemma3-270m" and args.checkpoint is None
-    if resolved_weights(args) == "gguf" and not packaged:
+    if resolved_weights(args) == "gguf" and not has_gguf_blocks(args.model, args.checkpoint):
         raise UsageError("--weights gguf scores the packaged gemma3-270m GGUF's blocks only")
     labels = [m.label for m in args.methods]
     if duplicates := sorted({label for label in labels if labels.count(label) > 1}):

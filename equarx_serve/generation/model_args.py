@@ -78,12 +78,17 @@ def check_model_arguments(args: argparse.Namespace) -> None:
         raise UsageError("--checkpoint and --tokenizer go together")
 
 
+def has_gguf_blocks(model: str, checkpoint: object | None) -> bool:
+    """Whether the weights of `model` (from `checkpoint`, if given) come from a GGUF file, so
+    that they can decode on its blocks: the packaged 270M only."""
+    return model == DEFAULT_MODEL and checkpoint is None
+
+
 def resolved_weights(args: argparse.Namespace) -> str:
     """--weights with "auto" resolved: "gguf" for the packaged 270M, else "bf16"."""
     if args.weights != AUTO:
         return args.weights
-    packaged = args.model == DEFAULT_MODEL and args.checkpoint is None
-    return "gguf" if packaged else "bf16"
+    return "gguf" if has_gguf_blocks(args.model, args.checkpoint) else "bf16"
 
 
 def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:

@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import AllReduce, get_all_reduce
 from equarx_serve.collectives.hadamard import HadamardRotation
+from equarx_serve.generation.model_args import has_gguf_blocks
 from models.config import DEFAULT_MAX_LENGTH, Gemma3Config, get_config
 from models.gemma3 import AXIS, BLOCKS, TensorParallelGemma3, init_params, mask_from_lengths
 
@@ -161,7 +162,6 @@ class PrefillEngine:
         self.all_reduce = self.model.all_reduce
         self.checkpoint_params = params if _sharded else self._shard(params, dtype)
         self.blocks = None if blocks is None else self._place_blocks(blocks)
-        self.weights = "bf16" if blocks is None else "gguf"
         self._folds = {} if _folds is None else _folds  # shared with `with_all_reduce` engines
         self.params = self._model_params()
         if self.blocks is not None:
@@ -183,6 +183,11 @@ class PrefillEngine:
             return _global_array(host, sharding)
 
         return jax.tree.map(place, params, self.model.checkpoint_shardings())
+
+    @property
+    def weights(self) -> str:
+        """What the decode steps run on: "gguf" (the GGUF's int8 blocks) or "bf16"."""
+        return "bf16" if self.blocks is None else "gguf"
 
     def _place_blocks(self, blocks: Params) -> Params:
         def place(value, sharding):
@@ -209,20 +214,7 @@ class PrefillEngine:
         `overlap_chunks` if given, else this engine's)."""
         if overlap_chunks is None:
             overlap_chunks = self.model.overlap_chunks
-        engine = PrefillEngine(
-            self.config,
-            self.checkpoint_params,
-            tp=self.tp,
-            all_reduce=all_reduce,
-            mesh=self.mesh,
-            max_length=self.max_length,
-            overlap_chunks=overlap_chunks,
-            blocks=self.blocks,
-            _sharded=True,
-            _folds=self._folds,
-        )
-        engine.tokenizer, engine.info = self.tokenizer, dict(self.info)
-        return engine
+        return self._sibling(all_reduce, overlap_chunks, self.blocks, dict(self.info))
 
     def with_gguf_blocks(self) -> PrefillEngine:
         """The same model and (already sharded) parameters with the decode steps on the GGUF
@@ -234,19 +226,31 @@ class PrefillEngine:
         path, sha = self.info.get("gguf_path"), self.info.get("gguf_sha256")
         if path is None or sha is None:
             raise ValueError("decode on GGUF blocks needs an engine loaded from a GGUF file")
+        blocks = load_gguf_blocks_cached(path, sha)
+        info = {**self.info, "weights": "gguf"}
+        return self._sibling(self.all_reduce, self.model.overlap_chunks, blocks, info)
+
+    def _sibling(
+        self,
+        all_reduce: str | AllReduce,
+        overlap_chunks: int | Literal["auto"],
+        blocks: Params | None,
+        info: dict[str, Any],
+    ) -> PrefillEngine:
+        """An engine on this one's (already sharded) parameters and folds, with these."""
         engine = PrefillEngine(
             self.config,
             self.checkpoint_params,
             tp=self.tp,
-            all_reduce=self.all_reduce,
+            all_reduce=all_reduce,
             mesh=self.mesh,
             max_length=self.max_length,
-            overlap_chunks=self.model.overlap_chunks,
-            blocks=load_gguf_blocks_cached(path, sha),
+            overlap_chunks=overlap_chunks,
+            blocks=blocks,
             _sharded=True,
             _folds=self._folds,
         )
-        engine.tokenizer, engine.info = self.tokenizer, {**self.info, "weights": "gguf"}
+        engine.tokenizer, engine.info = self.tokenizer, info
         return engine
 
     @classmethod
@@ -270,7 +274,7 @@ class PrefillEngine:
         file's own quantized weights (`load_gguf_blocks_cached`; only for the real weights)."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-        if weights == "gguf" and (model != "gemma3-270m" or checkpoint is not None):
+        if weights == "gguf" and not has_gguf_blocks(model, checkpoint):
             raise ValueError(
                 "weights 'gguf' decodes on a GGUF file's quantized blocks: only the packaged "
                 f"gemma3-270m checkpoint has one (got model {model!r}"
