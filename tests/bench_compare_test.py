@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from equarx_serve import cli
-from equarx_serve.bench import compare
+from equarx_serve.bench import compare, served
 from equarx_serve.collectives.registry import parse_method
 from equarx_serve.generation.generator import Completion
 from models.config import get_config
@@ -78,18 +78,32 @@ def compared(tmp_path_factory):
             calls.append(("project", "decode", batch))
             return super().decode(prompt, batch, max_tokens)
 
+    def fake_servers(config, generator, tokenizer, gguf, llama_skipped):
+        calls.append(("servers", "serve", len(config.serve_clients)))
+        assert generator.max_batch == 1 and gguf is None and llama_skipped is None
+        levels = [SERVED_LEVEL, dataclasses.replace(SERVED_LEVEL, server=served.LLAMA_SERVER)]
+        return served.ServedComparison(levels, 20.0, None, 200)
+
     path = tmp_path_factory.mktemp("compare") / "compare.json"
-    compare.ProjectSide = RecordedProject
+    compare.ProjectSide, compare.compare_servers = RecordedProject, fake_servers
     try:
-        config = dataclasses.replace(TINY, json_path=path)
+        config = dataclasses.replace(TINY, json_path=path, serve_clients=(1,))
         assert compare.run(config, llama=factory) == 0
     finally:
-        compare.ProjectSide = original
+        compare.ProjectSide, compare.compare_servers = original, served.compare_servers
     return json.loads(path.read_text()), calls, fakes[0]
+
+
+SERVED_LEVEL = served.ServedLevel(
+    server=served.PROJECT, clients=1, requests=8, errors=0, output_tokens=512, wall_s=16.0,
+    latency_p50_s=2.0, latency_p99_s=2.5, ttft_p50_s=0.1, ttft_p99_s=0.2,
+    stream_decode_tokens_per_s=19.0,
+)  # fmt: skip
 
 
 def test_every_workload_runs_on_both_sides_interleaved(compared):
     _, calls, fake = compared
+    assert calls.pop() == ("servers", "serve", 1)  # after the in-process sides
     workloads = [("prefill", 16), ("prefill", 32), ("decode", 1), ("decode", 2)]
     per_round = 2 * len(workloads)
     assert len(calls) == (TINY.repeats + 1) * per_round  # a warm-up round, then the timed ones
@@ -122,6 +136,42 @@ def test_report_carries_both_sides_values(compared):
         for run in ours["runs"]:
             # Greedy on the tiny model may stop at EOS; never more than max_tokens - 1 a row.
             assert run["batch"] == b and 0 < run["tokens"] <= b * (TINY.max_tokens - 1)
+
+
+def test_serving_comparison_is_reported(compared, capsys):
+    report, _, _ = compared
+    assert report["settings"]["serve_clients"] == [1]
+    levels = report["served"]["levels"]
+    assert [x["server"] for x in levels] == [served.PROJECT, served.LLAMA_SERVER]
+    assert levels[0]["output_tokens_per_s"] == pytest.approx(512 / 16.0)
+    assert report["served"]["generate_decode_tokens_per_s"] == 20.0
+
+
+def test_serving_table():
+    both = served.ServedComparison(
+        [SERVED_LEVEL, dataclasses.replace(SERVED_LEVEL, server=served.LLAMA_SERVER, wall_s=32.0)],
+        20.0, None, 200,
+    )  # fmt: skip
+    text = "\n".join(served.format_served(both))
+    assert "A: equarx-serve, B: llama-cpp-python server" in text
+    assert "32.0     16.0  2.00x" in text  # tokens/s: 512 / 16 s vs 512 / 32 s
+    assert "decode 19.0 tokens/s vs the Generator's 20.0 on the same prompts" in text
+    assert "0.95x" in text
+    alone = served.ServedComparison([SERVED_LEVEL], 20.0, "no server here", 200)
+    text = "\n".join(served.format_served(alone))
+    assert "B: skipped: no server here" in text and "x  " not in text.split("\n")[-2]
+
+
+def test_server_commands_carry_the_model_flags():
+    config = dataclasses.replace(TINY, weights="gguf", dtype="float32")
+    command = served.project_command(config, 8123)
+    flags = {"--weights": "gguf", "--all-reduce": "psum", "--tp": "2", "--dtype": "float32"}
+    for flag, value in (flags | {"--port": "8123", "--model": "tiny"}).items():
+        assert command[command.index(flag) + 1] == value
+    llama = served.llama_server_command(Path("/m.gguf"), "gemma3-270m", 3, 8124)
+    assert llama[1:3] == ["-m", "llama_cpp.server"]
+    assert llama[llama.index("--n_threads") + 1] == "3"
+    assert llama[llama.index("--model_alias") + 1] == "gemma3-270m"
 
 
 def test_machine_limits_are_reported(compared):

@@ -11,10 +11,13 @@ import pytest
 import uvicorn
 
 from equarx_serve.bench import serve as serve_bench
+from equarx_serve.bench import served
 from equarx_serve.distributed.multiprocess import free_port
 from equarx_serve.generation.generator import Generator
 from equarx_serve.generation.prefill import PrefillEngine
+from equarx_serve.generation.text import byte_tokenizer
 from equarx_serve.server import create_app
+from models.config import get_config
 
 MODEL = "tiny"
 
@@ -85,3 +88,54 @@ def test_link_options_are_checked(argv, capsys):
         serve_bench.main(argv)
     assert exit_info.value.code == 2
     assert "--link" in capsys.readouterr().err
+
+
+@pytest.fixture
+def short_requests(monkeypatch):
+    """Served requests short enough for the tiny model's 256 positions."""
+    monkeypatch.setattr(served, "SERVED_MAX_TOKENS", 4)
+    monkeypatch.setattr(served, "PROMPT_TOKENS", 40)
+
+
+def test_served_level_counts_usage_tokens_latency_and_streams(url, short_requests):
+    texts = served.prompts(byte_tokenizer(get_config(MODEL).vocab_size), 8)
+    before = serve_bench.finished_on_server(url)
+    level = served.measure_level(url, served.PROJECT, MODEL, texts, clients=2)
+    assert (level.requests, level.errors) == (8, 0)
+    assert serve_bench.finished_on_server(url) - before == 16  # both passes, every request
+    assert 0 < level.output_tokens <= 8 * 4 and level.output_tokens_per_s > 0
+    assert 0 < level.latency_p50_s <= level.latency_p99_s
+    assert 0 < level.ttft_p50_s <= level.ttft_p99_s
+    assert level.stream_decode_tokens_per_s > 0  # this server's streams carry usage
+
+
+def test_served_prompts_are_distinct_windows(short_requests):
+    tokenizer = byte_tokenizer(get_config(MODEL).vocab_size)
+    texts = served.prompts(tokenizer, 5)
+    assert len(set(texts)) == 5
+    assert all(len(tokenizer.encode(t)) == 40 for t in texts)  # with its BOS
+    assert served.requests_per_client(1) == 8 and served.requests_per_client(16) == 2
+
+
+def test_stream_decode_rate():
+    assert served.stream_decode_rate(served._Answer(2.5, 11, 0.5)) == pytest.approx(10 / 2.0)
+    assert served.stream_decode_rate(served._Answer(2.5, None, 0.5)) is None  # no usage
+    assert served.stream_decode_rate(served._Answer(2.5, 1, 0.5)) is None
+
+
+def test_real_llama_cpp_server_answers_the_served_level(monkeypatch, short_requests):
+    """With llama-cpp-python's server extra installed: its OpenAI server on the packaged GGUF
+    through the same client code (no usage in its streams)."""
+    if reason := served.llama_server_missing():
+        pytest.skip(reason)
+    from models.cache import load_gemma3_270m, packaged_gguf_path
+
+    monkeypatch.setattr(served, "MIN_REQUESTS", 2)
+    texts = served.prompts(load_gemma3_270m(verify=False)[1], 2)
+    port = free_port()
+    command = served.llama_server_command(packaged_gguf_path()[0], "gemma3-270m", 2, port)
+    with serve_bench.running_server(command, port, ready_path="/v1/models") as llama_url:
+        level = served.measure_level(llama_url, served.LLAMA_SERVER, "gemma3-270m", texts, 1)
+    assert (level.requests, level.errors) == (2, 0)
+    assert 0 < level.output_tokens <= 2 * 4 and level.ttft_p50_s > 0
+    assert level.stream_decode_tokens_per_s is None

@@ -3,7 +3,7 @@ measured side by side in one run, with this machine's limits.
 
     equarx-serve bench compare [--seq-lens 128 512 2048] [--batches 1 8] [--max-tokens 32]
                                [--repeats 3] [--threads N] [--tp 2] [--all-reduce METHOD]
-                               [--dtype bfloat16] [--json PATH]
+                               [--dtype bfloat16] [--serve-clients 1 4 16] [--json PATH]
 
 One process holds both sides:
   - this project: `PrefillEngine.from_name` (the GGUF's weights in --dtype, TP = --tp host CPU
@@ -28,6 +28,11 @@ compiles the project's programs):
              argmax of each row's logits in numpy, never stopping early.
 Every round runs each workload on both sides, the order of the sides alternating round by
 round; the tables give the median of --repeats rounds.
+
+With --serve-clients C...: then both as servers (`bench/served.py`): `equarx-serve serve`
+and llama-cpp-python's OpenAI server on the same GGUF, C concurrent clients of the official
+OpenAI client at each level; output tokens/s from `usage`, latency and time to first token,
+and this project's served single-stream decode rate beside its `Generator`'s.
 
 The machine's limits, measured in the same run: GFLOP/s of a 2048^3 matmul (`jnp.dot`, one
 device, f32 and bf16) and the read rate (bytes per second of a jitted sum over 256 MiB of
@@ -59,6 +64,7 @@ from typing import Any, Protocol
 from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.bench import provenance
 from equarx_serve.bench.prefill import _seq_len
+from equarx_serve.bench.served import ServedComparison, compare_servers, format_served
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.distributed.devices import set_host_device_count
 from equarx_serve.generation.model_args import (
@@ -144,6 +150,7 @@ class CompareConfig:
     max_tokens: int = DEFAULT_MAX_TOKENS
     repeats: int = DEFAULT_REPEATS
     threads: int = dataclasses.field(default_factory=lambda: os.cpu_count() or 1)
+    serve_clients: tuple[int, ...] = ()  # concurrency levels of the serving comparison
     json_path: Path | None = None
     seed: int = 0
     matmul_size: int = MATMUL_SIZE
@@ -293,6 +300,14 @@ class ProjectSide:
         dtype = engine.dtype.name if hasattr(engine.dtype, "name") else str(engine.dtype)
         weights = "" if engine.weights == "bf16" else ", decode on the GGUF's blocks"
         self.name = f"this project (TP={engine.tp}, {dtype}, {engine.all_reduce.name}{weights})"
+
+    def generator(self, batch: int) -> Any:
+        """The `Generator` of `batch` rows (made on first use outside --batches)."""
+        from equarx_serve.generation.generator import Generator
+
+        if batch not in self.generators:
+            self.generators[batch] = Generator(self.engine, max_batch=batch)
+        return self.generators[batch]
 
     def prefill(self, tokens: list[int]) -> float:
         import jax
@@ -462,6 +477,7 @@ class Comparison:
     machine: MachineLimits
     limits: dict[str, dict[str, float]]  # per workload label: floor / ceilings
     decode_prompt_tokens: int
+    served: ServedComparison | None = None  # with --serve-clients
 
 
 def _one(side: Side, workload: Workload, prompts: dict[int, list[int]], config: CompareConfig):
@@ -558,6 +574,12 @@ def compare(config: CompareConfig, llama: LlamaFactory = open_llama_cpp) -> Comp
             other.close()
     gguf = engine.info.get("gguf_path")
     gguf_bytes = os.path.getsize(gguf) if gguf else None
+    served = None
+    if config.serve_clients:
+        served = compare_servers(
+            config, project.generator(1), project.tokenizer, Path(gguf) if gguf else None,
+            other if isinstance(other, str) else None,
+        )  # fmt: skip
     return Comparison(
         rows=rows,
         sides=[s.name for s in sides],
@@ -565,6 +587,7 @@ def compare(config: CompareConfig, llama: LlamaFactory = open_llama_cpp) -> Comp
         machine=machine,
         limits=_limits(config, engine, machine, gguf_bytes),
         decode_prompt_tokens=len(decode_prompt),
+        served=served,
     )
 
 
@@ -637,6 +660,8 @@ def format_report(result: Comparison, config: CompareConfig) -> str:
                 text.append(
                     f"  batch {w.size}: {common_prefix(a, b)} of {len(b)} before they differ"
                 )
+    if result.served:
+        text += format_served(result.served)
     text.append(
         "A speed / B > 1: this project is faster. Floor / ceilings: this machine's limits for "
         "this model (FLOPs at the measured matmul rate; weights read once a step at the "
@@ -657,6 +682,7 @@ def write_json(result: Comparison, config: CompareConfig, path: Path) -> None:
         "seq_lens": list(config.seq_lens),
         "batches": list(config.batches),
         "max_tokens": config.max_tokens,
+        "serve_clients": list(config.serve_clients),
         "repeats": config.repeats,
         "threads": config.threads,
         "seed": config.seed,
@@ -674,6 +700,7 @@ def write_json(result: Comparison, config: CompareConfig, path: Path) -> None:
         "machine": dataclasses.asdict(result.machine),
         "limits": result.limits,
         "rows": [row.to_json() for row in result.rows.values()],
+        "served": result.served.to_json() if result.served else None,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
@@ -712,6 +739,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--repeats", type=argument_type(int_at_least(1)), default=DEFAULT_REPEATS,
                       metavar="R", help="timed rounds (default: %(default)s)")  # fmt: skip
     work.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    work.add_argument("--serve-clients", nargs="+", type=argument_type(int_at_least(1)),
+                      default=[], metavar="C",
+                      help="then both as servers at C concurrent clients each (e.g. 1 4 16; "
+                      "default: not run)")  # fmt: skip
     parser.add_argument("--threads", type=argument_type(int_at_least(1)), default=os.cpu_count(),
                         metavar="N", help="llama.cpp's threads (default: %(default)s, the "
                         "cores)")  # fmt: skip
@@ -734,6 +765,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
         seq_lens=tuple(sorted(set(args.seq_lens))),
         batches=tuple(sorted(set(args.batches))),
         max_tokens=args.max_tokens,
+        serve_clients=tuple(sorted(set(args.serve_clients))),
         repeats=args.repeats,
         threads=args.threads,
         json_path=args.json,

@@ -89,16 +89,15 @@ def server_command(args: argparse.Namespace, method: str, port: int) -> list[str
 
 
 @contextlib.contextmanager
-def running_server(args: argparse.Namespace, method: str) -> Iterator[str]:
-    """An `equarx-serve serve` for `method`, healthy; yields its base URL."""
-    port = free_port()
-    command = server_command(args, method, port)
+def running_server(command: list[str], port: int, ready_path: str = "/health") -> Iterator[str]:
+    """The server `command` starts (its own process group, listening on `port`), once
+    `ready_path` answers 200; yields its base URL, then stops it with SIGTERM."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     server = subprocess.Popen(command, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while not _healthy(url):
+        while not _ready(url + ready_path):
             if server.poll() is not None:
                 raise RuntimeError(f"the server exited with {server.returncode} while starting")
             if time.monotonic() > deadline:
@@ -114,9 +113,9 @@ def running_server(args: argparse.Namespace, method: str) -> Iterator[str]:
             server.wait()
 
 
-def _healthy(url: str) -> bool:
+def _ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return httpx.get(url, timeout=2).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -232,7 +231,8 @@ def run(args: argparse.Namespace) -> dict:
     result: dict = {"settings": vars(args) | {"json": str(args.json)}, "ttft": {}, "load": []}
     for method in args.methods:
         print(f"== {method}", flush=True)
-        with running_server(args, method) as url:
+        port = free_port()
+        with running_server(server_command(args, method, port), port) as url:
             if args.ttft_repeats:
                 result["ttft"][method] = _measure_ttft(url, args, prompt)
             if method == (args.load_method or args.methods[-1]) and args.clients:
