@@ -178,3 +178,37 @@ def test_an_eval_with_decode_weights_renders_its_decode_section():
         ["bf16 (the floor)", "exact checkpoint (float32)", "2.00e-03"],
     ]
     assert table.rows[1][3] == "99.00%"
+
+
+def _level(server: str, clients: int, tokens_per_s: float, stream: float | None) -> dict:
+    return {"server": server, "clients": clients, "output_tokens_per_s": tokens_per_s,
+            "latency_p50_s": 2.0, "latency_p99_s": 3.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.25,
+            "stream_decode_tokens_per_s": stream, "errors": 0}  # fmt: skip
+
+
+def test_the_served_part_of_a_compare_renders_in_its_own_block(results: Path):
+    path = results / "compare-llama-cpp.json"
+    document = json.loads(path.read_text())
+    levels = [_level("equarx-serve", 1, 30.0, 31.0), _level("llama", 1, 40.0, None),
+              _level("equarx-serve", 4, 80.0, 25.0), _level("llama", 4, 40.0, None)]  # fmt: skip
+    document["served"] = {"levels": levels, "generate_decode_tokens_per_s": 32.0}
+    path.write_text(json.dumps(document))
+    rows = report.served_table(document).rows
+    assert [row[:4] for row in rows] == [
+        ["1", "equarx-serve", "30.0", "0.75x"], ["1", "llama", "40.0", "-"],
+        ["4", "equarx-serve", "80.0", "2.00x"], ["4", "llama", "40.0", "-"],
+        ["1", "the Generator in-process, same prompts", "-", "-"],
+    ]  # fmt: skip
+    assert rows[0][4:] == ["2.00 / 3.00", "0.10 / 0.25", "31.0", "0"] and rows[-1][6] == "32.0"
+    page = results.parent / "page.md"
+    page.write_text(
+        "<!-- report:compare-llama-cpp.served -->\n<!-- /report:compare-llama-cpp.served -->\n"
+    )
+    assert cli.main(["report", str(results), "--update", str(page)]) == 0
+    assert "| 4 | equarx-serve | 80.0 | 2.00x |" in page.read_text()
+    page.write_text(
+        "<!-- report:compare-llama-cpp.nope -->\n<!-- /report:compare-llama-cpp.nope -->\n"
+    )
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["report", str(results), "--check", str(page)])
+    assert exit_info.value.code == 2

@@ -292,6 +292,35 @@ def compare_table(document: dict[str, Any]) -> Table:
     return Table(header, rows)
 
 
+def served_table(document: dict[str, Any]) -> Table:
+    """`bench compare --serve-clients`: each server at each concurrency (output tokens/s from
+    usage, latency, time to first token, a stream's decode rate where its stream carries
+    usage), then the project's in-process Generator on the same prompts."""
+    served = document.get("served")
+    if not served:
+        raise ValueError("this bench compare run has no serving comparison (--serve-clients)")
+    header = ["clients", "server", "output tokens/s", "speed vs llama-cpp-python server",
+              "latency p50 / p99 s", "TTFT p50 / p99 s", "decode tokens/s a stream",
+              "errors"]  # fmt: skip
+    levels = served["levels"]
+    ours = levels[0]["server"]  # the project's server comes first
+    theirs = {x["clients"]: x for x in levels if x["server"] != ours}
+    rows = []
+    for x in sorted(levels, key=lambda x: (x["clients"], x["server"] != ours)):
+        other = theirs.get(x["clients"])
+        ratio = None if other is None or other is x else (
+            x["output_tokens_per_s"] / other["output_tokens_per_s"])  # fmt: skip
+        rows.append([str(x["clients"]), x["server"], _num(x["output_tokens_per_s"], ".1f"),
+                     _num(ratio, ".2f", "x"),
+                     f"{x['latency_p50_s']:.2f} / {x['latency_p99_s']:.2f}",
+                     f"{x['ttft_p50_s']:.2f} / {x['ttft_p99_s']:.2f}",
+                     _num(x["stream_decode_tokens_per_s"], ".1f"), str(x["errors"])])  # fmt: skip
+    generate = served["generate_decode_tokens_per_s"]
+    rows.append(["1", "the Generator in-process, same prompts", "-", "-", "-", "-",
+                 _num(generate, ".1f"), "-"])  # fmt: skip
+    return Table(header, rows)
+
+
 def serve_table(document: dict[str, Any]) -> Table:
     """Time to first token per method, as the serve benchmark recorded it."""
     rows = [[method, _cell(v)] for method, v in document["ttft"].items()]
@@ -406,15 +435,26 @@ def headline(sources: dict[str, Source], base: Path, docs: Path) -> str:
     return table + "\n\n" + "\n\n".join(provenance_line(s, base) for s in used)
 
 
+# Blocks `NAME.PART`: another table of the same result.
+PARTS: dict[str, Callable[[dict[str, Any]], Table]] = {"served": served_table}
+
+
 def render_block(name: str, sources: dict[str, Source], markdown_file: Path) -> str:
-    """The text of block `name` for a block in `markdown_file`."""
+    """The text of block `name` (a result's stem, or `stem.part`) for a block in
+    `markdown_file`."""
     base = markdown_file.parent
     if name == "headline":
         docs = next(iter(sources.values())).path.parent.parent
         return headline(sources, base, docs)
-    if name not in sources:
-        raise ValueError(f"{markdown_file}: block {name!r}: no {name}.json in the results")
-    return render_source(sources[name], base)
+    stem, _, part = name.partition(".")
+    if stem not in sources:
+        raise ValueError(f"{markdown_file}: block {name!r}: no {stem}.json in the results")
+    if not part:
+        return render_source(sources[stem], base)
+    if part not in PARTS:
+        raise ValueError(f"{markdown_file}: block {name!r}: no part {part!r} ({sorted(PARTS)})")
+    source = sources[stem]
+    return PARTS[part](source.document).markdown() + "\n\n" + provenance_line(source, base)
 
 
 def updated(text: str, sources: dict[str, Source], markdown_file: Path) -> str:
