@@ -27,12 +27,11 @@ from equarx_serve.collectives.registry import parse_method
 from equarx_serve.generation.model_args import (
     add_model_arguments,
     check_model_arguments,
-    has_gguf_blocks,
     resolved_weights,
 )
 from eval import harness
 from eval.corpus import CORPORA, DEFAULT_CORPUS
-from models.config import DEFAULT_MAX_LENGTH
+from models.config import DEFAULT_MAX_LENGTH, has_gguf_blocks
 
 OUT_DIR = Path("eval-results")
 

@@ -239,3 +239,12 @@ def get_config(name: str) -> Gemma3Config:
         return CONFIGS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown Gemma 3 config {name!r}; valid: {', '.join(CONFIGS)}") from None
+
+
+GGUF_MODEL = "gemma3-270m"  # the config whose real weights come from a GGUF (models/cache.py)
+
+
+def has_gguf_blocks(model: str, checkpoint: object | None) -> bool:
+    """Whether the weights of `model` (from `checkpoint`, if given) come from a GGUF file, so
+    that they can decode on its blocks: the packaged 270M only."""
+    return model == GGUF_MODEL and checkpoint is None

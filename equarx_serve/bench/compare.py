@@ -65,6 +65,7 @@ from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.bench import provenance
 from equarx_serve.bench.prefill import _seq_len
 from equarx_serve.bench.served import ServedComparison, compare_servers, format_served
+from equarx_serve.bench.text import right_aligned
 from equarx_serve.collectives.registry import MethodSpec, parse_method
 from equarx_serve.distributed.devices import set_host_device_count
 from equarx_serve.generation.model_args import (
@@ -600,12 +601,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-def _table(lines: list[list[str]]) -> list[str]:
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    lines.insert(1, ["-" * w for w in widths])
-    return ["  ".join(c.rjust(w) for c, w in zip(line, widths, strict=True)) for line in lines]
-
-
 def format_report(result: Comparison, config: CompareConfig) -> str:
     project, llama = result.sides[0], result.sides[1] if len(result.sides) > 1 else None
     m = result.machine
@@ -630,7 +625,7 @@ def format_report(result: Comparison, config: CompareConfig) -> str:
             str(w.size), f"{a:.0f}", "-" if b is None else f"{b:.0f}",
             "-" if b is None else f"{b / a:.2f}x", f"{floor:.0f}", f"{a / floor:.1f}x",
         ])  # fmt: skip
-    text += _table(lines)
+    text += right_aligned(lines)
     text.append(
         f"\ndecode, greedy, {config.max_tokens} tokens a sequence after a "
         f"{result.decode_prompt_tokens}-token prompt (tokens/s: total, per sequence)"
@@ -650,7 +645,7 @@ def format_report(result: Comparison, config: CompareConfig) -> str:
             "-" if b is None else f"{a / b:.2f}x", f"{lim['ceiling_tokens_per_s']:.0f}",
             "-" if gguf is None else f"{gguf:.0f}",
         ])  # fmt: skip
-    text += _table(lines)
+    text += right_aligned(lines)
     if llama:
         text.append("greedy continuations (the batch's first sequence), tokens in common:")
         for w in config.workloads:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from equarx_serve.bench.serve import REQUEST_TIMEOUT_S, running_server
+from equarx_serve.bench.text import right_aligned
 from equarx_serve.distributed.multiprocess import free_port
 
 SERVED_MAX_TOKENS = 64
@@ -281,8 +282,6 @@ def compare_servers(
 
 def format_served(result: ServedComparison, max_tokens: int = SERVED_MAX_TOKENS) -> list[str]:
     """The serving table of `bench compare`'s report."""
-    from equarx_serve.bench.compare import _table  # here: compare imports this module
-
     text = [
         f"\nserving, /v1/completions of ~{result.prompt_tokens}-token prompts, greedy, up to "
         f"{max_tokens} tokens, official OpenAI client; A: {PROJECT}, B: "
@@ -303,7 +302,7 @@ def format_served(result: ServedComparison, max_tokens: int = SERVED_MAX_TOKENS)
             f"{b.ttft_p50_s:.2f}/{b.ttft_p99_s:.2f}" if b else "-",
             f"{a.errors}/{b.errors if b else '-'}",
         ])  # fmt: skip
-    text += _table(lines)
+    text += right_aligned(lines)
     one = result.level(PROJECT, 1)
     if one is not None and one.stream_decode_tokens_per_s is not None:
         generate = result.generate_decode_tokens_per_s

@@ -11,6 +11,7 @@ from typing import Any
 
 from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.collectives.registry import parse_method
+from models.config import has_gguf_blocks
 
 DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_ALL_REDUCE = "equarx-int8"
@@ -76,12 +77,6 @@ def check_model_arguments(args: argparse.Namespace) -> None:
     """UsageError for model flags that cannot go together (before anything loads)."""
     if (args.checkpoint is None) != (args.tokenizer is None):
         raise UsageError("--checkpoint and --tokenizer go together")
-
-
-def has_gguf_blocks(model: str, checkpoint: object | None) -> bool:
-    """Whether the weights of `model` (from `checkpoint`, if given) come from a GGUF file, so
-    that they can decode on its blocks: the packaged 270M only."""
-    return model == DEFAULT_MODEL and checkpoint is None
 
 
 def resolved_weights(args: argparse.Namespace) -> str:

@@ -33,8 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from equarx_serve.collectives import AllReduce, get_all_reduce
 from equarx_serve.collectives.hadamard import HadamardRotation
-from equarx_serve.generation.model_args import has_gguf_blocks
-from models.config import DEFAULT_MAX_LENGTH, Gemma3Config, get_config
+from models.config import DEFAULT_MAX_LENGTH, Gemma3Config, get_config, has_gguf_blocks
 from models.gemma3 import AXIS, BLOCKS, TensorParallelGemma3, init_params, mask_from_lengths
 
 MIN_BUCKET = 16
