@@ -571,7 +571,8 @@ class Attention(nn.Module):
         decoding: bool,
     ) -> jax.Array:
         """query [B, T, N, H] over this device's keys/values (`cache`, [B, S, K, H]: the
-        prompt's own in a prefill, T == S) -> [B, T, N, H]. Local layers: blocked over the
+        prompt's own in a prefill, T == S; in a decode step, B' >= B rows, the first B the
+        queries') -> [B, T, N, H]. Local layers: blocked over the
         window when the prompt is at least two windows long, over the window's cache entries
         in a decode step; otherwise the masked full attention (gemma's)."""
         c = self.config
@@ -582,6 +583,7 @@ class Attention(nn.Module):
             last = positions[:, 0]  # [B]: keys at cache index <= the token's position
             first = jnp.maximum(last - (window - 1), 0) if local else jnp.zeros_like(last)
             return decode_attention.attend(query, key, value, first, last, softcap=softcap)
+        key, value = key[: query.shape[0]], value[: query.shape[0]]  # a decode's rows
         if local and decoding:
             return local_decode_attention(
                 query, key, value, positions[:, 0], window=window, softcap=softcap
@@ -888,7 +890,8 @@ class Gemma3Shard(nn.Module):
     ) -> tuple[jax.Array, dict[str, LayerCache]]:
         """One decode step: tokens [B] (each sequence's newest token), lengths [B] (tokens
         already in its cache: the new token's position and cache index), cache
-        {"layer_i": {"k", "v"}} local [B, S, K_local, H] -> (this device's logits [B, V / T],
+        {"layer_i": {"k", "v"}} local [B' >= B, S, K_local, H] (the first B rows are the
+        tokens'; the others stay as they are) -> (this device's logits [B, V / T],
         the cache with the new k/v at index lengths). The token attends over cache positions
         <= its own. The layers' computation is `Block`'s, written on the weights as stored
         (see `_decode_block`)."""
@@ -1279,18 +1282,12 @@ class TensorParallelGemma3:
             sample = self._sample_shard(mode, max_k)
 
             def shard_step(params, cache, tokens, lengths, sampling):
-                rows = tokens.shape[0]
-                head = jax.tree.map(lambda kv: kv[:rows], cache)  # [R, S, K, H] each
-                logits, head = self._module.apply(
-                    {"params": params}, tokens, lengths, head, method=Gemma3Shard.decode
+                # The whole cache goes in: the step writes and reads its first R rows in place
+                # (a slice of them, updated and written back, cost three copies a layer).
+                logits, cache = self._module.apply(
+                    {"params": params}, tokens, lengths, cache, method=Gemma3Shard.decode
                 )
-                if rows < jax.tree.leaves(cache)[0].shape[0]:
-                    head = jax.tree.map(
-                        lambda kv, new: lax.dynamic_update_slice_in_dim(kv, new, 0, axis=0),
-                        cache,
-                        head,
-                    )
-                return sample(logits, sampling), head
+                return sample(logits, sampling), cache
 
             sharded = jax.shard_map(
                 shard_step,

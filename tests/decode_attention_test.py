@@ -72,6 +72,18 @@ def test_a_row_with_no_visible_entry_gives_zeros_and_leaves_the_others_alone():
     _close(got[1:], _exact(q[1:], key[1:], value[1:], [0], [7]))
 
 
+def test_a_cache_with_more_rows_than_queries_is_read_in_place():
+    """A step of 2 sequences in a 4-row cache: the first 2 rows, bit for bit what the exact-size
+    cache gives; both kernel and reference."""
+    q, key, value = _operands(4, 16, 2, 1, 16)
+    first, last = jnp.asarray([0, 3], jnp.int32), jnp.asarray([15, 9], jnp.int32)
+    for attend in (jax.jit(decode_attention.attend), decode_attention.reference):
+        whole = np.asarray(attend(q[:2], key, value, first, last), np.float32)
+        sliced = np.asarray(attend(q[:2], key[:2], value[:2], first, last), np.float32)
+        np.testing.assert_array_equal(whole, sliced)
+    _close(whole, _exact(q[:2], key[:2], value[:2], [0, 3], [15, 9]))
+
+
 def test_bad_operands_are_refused():
     q, key, value = _operands(2, 8, 2, 1, 16)
     ends = jnp.zeros((2,), jnp.int32)
@@ -81,6 +93,8 @@ def test_bad_operands_are_refused():
         decode_attention.attend(q, key, value, ends[:1], ends)
     with pytest.raises(ValueError, match="want query"):
         decode_attention.attend(jnp.concatenate([q, q], 1), key, value, ends, ends)
+    with pytest.raises(ValueError, match="want query"):  # fewer cache rows than queries
+        decode_attention.attend(q, key[:1], value[:1], ends, ends)
 
 
 def test_the_kernel_is_a_custom_call_on_cpu_only(monkeypatch):

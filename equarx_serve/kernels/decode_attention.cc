@@ -4,9 +4,10 @@
 //   out[b, n] = sum_s p[b, n, s] v[b, s, n / G],  p = softmax_s(q[b, n] . k[b, s, n / G])
 //   over the keys first[b] <= s <= last[b]
 //
-//   query [B, N, H] bf16 (already scaled), key and value [B, S, K, H] bf16 (the cache), first
-//   and last [B] int32, out [B, N, H] bf16; G = N / K query heads share a key/value head;
-//   attribute softcap (0: none): logits c * tanh(logits / c).
+//   query [B, N, H] bf16 (already scaled), key and value [B', S, K, H] bf16 (the cache, whose
+//   first B rows are the queries'; B' >= B: a step of fewer sequences than the cache has rows
+//   reads its rows in place), first and last [B] int32, out [B, N, H] bf16; G = N / K query
+//   heads share a key/value head; attribute softcap (0: none): logits c * tanh(logits / c).
 //
 // For each row and key/value head, its G queries (widened to f32 once) go over the visible
 // keys: every key row is loaded once for all G queries (16 bf16 widened to f32, FMA), each
@@ -153,10 +154,10 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::BF16> query, ffi::Buffer<ffi::BF16> 
   auto v_dims = value.dimensions();
   const bool same_kv = v_dims.size() == 4 && k_dims.size() == 4 &&
                        std::equal(k_dims.begin(), k_dims.end(), v_dims.begin());
-  if (q_dims.size() != 3 || k_dims.size() != 4 || !same_kv || k_dims[0] != q_dims[0] || k_dims[3] != q_dims[2] || q_dims[1] % k_dims[2] != 0 ||
+  if (q_dims.size() != 3 || k_dims.size() != 4 || !same_kv || k_dims[0] < q_dims[0] || k_dims[3] != q_dims[2] || q_dims[1] % k_dims[2] != 0 ||
       first.element_count() != q_dims[0] || last.element_count() != q_dims[0]) {
     return ffi::Error::InvalidArgument(
-        "decode_attention: want query [B, N, H], key/value [B, S, K, H] (K divides N), "
+        "decode_attention: want query [B, N, H], key/value [B' >= B, S, K, H] (K divides N), "
         "first and last [B]");
   }
   const int64_t b = q_dims[0], n = q_dims[1], h = q_dims[2], s = k_dims[1], k = k_dims[2];

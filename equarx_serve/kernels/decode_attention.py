@@ -2,7 +2,7 @@
 XLA:CPU kernel.
 
     out = decode_attention.attend(query, key, value, first, last, softcap=None)
-    # query [B, 1, N, H], key/value caches [B, S, K, H] bf16, first/last [B] int32
+    # query [B, 1, N, H], key/value caches [B' >= B, S, K, H] bf16, first/last [B] int32
     # -> [B, 1, N, H]: softmax attention of each row over its cache entries first..last
 
 A decode step's attention is memory-bound (each visible k/v entry is used by G = N / K
@@ -52,14 +52,14 @@ def _check(query: jax.Array, key: jax.Array, value: jax.Array, first, last) -> N
         and t == 1
         and key.ndim == 4
         and key.shape == value.shape
-        and key.shape[0] == b
+        and key.shape[0] >= b
         and key.shape[3] == h
         and n % key.shape[2] == 0
         and first.shape == last.shape == (b,)
     )
     if not ok:
         raise ValueError(
-            "want query [B, 1, N, H], key and value [B, S, K, H] (K dividing N), first and "
+            "want query [B, 1, N, H], key and value [B' >= B, S, K, H] (K dividing N), first and "
             f"last [B]; got {query.shape}, {key.shape}, {value.shape}, {first.shape}, "
             f"{last.shape}"
         )
@@ -71,6 +71,7 @@ def reference(query, key, value, first, last, *, softcap: float | None = None) -
     _check(query, key, value, first, last)
     b, _, n, h = query.shape
     k = key.shape[2]
+    key, value = key[:b], value[:b]  # the query's rows
     grouped = query.reshape(b, k, n // k, h)  # [B, K, G, H]
     logits = jnp.einsum("BKGH,BSKH->BKGS", grouped, key)
     if softcap is not None:
@@ -120,7 +121,8 @@ def _native(query, key, value, first, last, *, softcap):
 
 def attend(query, key, value, first, last, *, softcap: float | None = None) -> jax.Array:
     """query [B, 1, N, H] over each row's cache entries first[b]..last[b] (inclusive) of
-    key/value [B, S, K, H] -> [B, 1, N, H]: the kernel where `pays`, else `reference`."""
+    key/value [B' >= B, S, K, H] (the first B rows; the kernel reads them in place, with no
+    slice copied) -> [B, 1, N, H]: the kernel where `pays`, else `reference`."""
     _check(query, key, value, first, last)
     if not pays(query, key):
         return reference(query, key, value, first, last, softcap=softcap)
