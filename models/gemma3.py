@@ -572,9 +572,9 @@ class Attention(nn.Module):
     ) -> jax.Array:
         """query [B, T, N, H] over this device's keys/values (`cache`, [B, S, K, H]: the
         prompt's own in a prefill, T == S; in a decode step, B' >= B rows, the first B the
-        queries') -> [B, T, N, H]. Local layers: blocked over the
-        window when the prompt is at least two windows long, over the window's cache entries
-        in a decode step; otherwise the masked full attention (gemma's)."""
+        queries') -> [B, T, N, H]. Local layers: blocked over the window when the prompt is
+        at least two windows long, over the window's cache entries in a decode step;
+        otherwise the masked full attention (gemma's)."""
         c = self.config
         window, softcap = c.sliding_window_size, c.attn_logits_softcap
         key = self._kv_for_local_heads(cache["k"])  # [B, S, K, H]

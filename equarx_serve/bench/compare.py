@@ -73,12 +73,13 @@ from equarx_serve.generation.model_args import (
     check_model_arguments,
     resolved_weights,
 )
+from models.config import GGUF_MODEL
 
 DEFAULT_SEQ_LENS = (128, 512, 2048)
 DEFAULT_BATCHES = (1, 8)
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_REPEATS = 3
-LLAMA_MODEL = "gemma3-270m"  # the model whose GGUF file llama.cpp can run beside ours
+LLAMA_MODEL = GGUF_MODEL  # the model whose GGUF file llama.cpp can run beside ours
 INSTALL_HINT = "pip install -e '.[compare]' (builds llama.cpp: ~8 min on 2 cores)"
 # The decode prompt: plain English, so that greedy continuations run on without an EOS.
 DECODE_PROMPT = (

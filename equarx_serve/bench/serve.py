@@ -212,9 +212,15 @@ async def load_level(
         wall_s=wall,
         requests_per_s=len(latencies) / wall,
         latency_p50_s=statistics.median(ordered),
-        latency_p99_s=ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))],
+        latency_p99_s=percentile(ordered, 0.99),
         completion_tokens=tokens,
     )
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The nearest-rank `q` quantile of `values` (NaN for none)."""
+    ordered = sorted(values) or [float("nan")]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def finished_on_server(url: str) -> int:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.bench.serve import REQUEST_TIMEOUT_S, running_server
+from equarx_serve.bench.serve import REQUEST_TIMEOUT_S, percentile, running_server
 from equarx_serve.bench.text import right_aligned
 from equarx_serve.distributed.multiprocess import free_port
 
@@ -168,11 +168,6 @@ async def _pass(
     return answers, errors, wall
 
 
-def _percentile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values) or [float("nan")]
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
 def stream_decode_rate(answer: _Answer) -> float | None:
     """Tokens after the first over the time from the first text to the end of the stream."""
     if answer.tokens is None or answer.first_s is None or answer.tokens < 2:
@@ -195,10 +190,10 @@ def measure_level(url: str, server: str, model: str, texts: Sequence[str], clien
         errors=plain_errors + stream_errors + (len(streamed) - len(firsts)),
         output_tokens=sum(a.tokens or 0 for a in plain),
         wall_s=wall,
-        latency_p50_s=_percentile(latencies, 0.5),
-        latency_p99_s=_percentile(latencies, 0.99),
-        ttft_p50_s=_percentile(firsts, 0.5),
-        ttft_p99_s=_percentile(firsts, 0.99),
+        latency_p50_s=percentile(latencies, 0.5),
+        latency_p99_s=percentile(latencies, 0.99),
+        ttft_p50_s=percentile(firsts, 0.5),
+        ttft_p99_s=percentile(firsts, 0.99),
         stream_decode_tokens_per_s=statistics.median(rates) if rates else None,
     )
 
