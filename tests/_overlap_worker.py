@@ -99,7 +99,7 @@ def main() -> None:
                 "top1_agree": float((logits.argmax(-1) == whole[0].argmax(-1)).mean()),
                 "top1_gap": top1_gap(whole[0], logits),
                 "cache_max_abs": float(np.abs(cache - whole[1]).max()),
-                "exchanges": text.count("callback"),
+                "exchanges": text.count("callback") + text.count("equarx_exchange_start"),
             }
     print(json.dumps(report), flush=True)
 

@@ -19,16 +19,28 @@ from jax.sharding import PartitionSpec as P
 from equarx_serve.arguments import chunks_or_auto
 from equarx_serve.bench import prefill_timeline
 from equarx_serve.collectives import exchange, get_all_reduce, overlap, transport
-from equarx_serve.collectives.exchange import ByteExchange
+from equarx_serve.collectives.exchange import ByteExchange, NativeExchange
+
+# Both implementations of the exchange; the native one where exchange.cc builds here.
+KINDS = [
+    ByteExchange,
+    pytest.param(
+        NativeExchange,
+        marks=pytest.mark.skipif(
+            not exchange.native_available(), reason="exchange.cc did not build (no compiler?)"
+        ),
+    ),
+]
 
 
-def connected_pair() -> tuple[ByteExchange, ByteExchange]:
+def connected_pair(kind) -> tuple:
     a, b = socket.socketpair()
-    return ByteExchange(0, 2, {1: a}), ByteExchange(1, 2, {0: b})
+    return kind(0, 2, {1: a}), kind(1, 2, {0: b})
 
 
-def test_both_ends_get_every_payload_in_rank_order():
-    first, second = connected_pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_both_ends_get_every_payload_in_rank_order(kind):
+    first, second = connected_pair(kind)
     for size in (1, 5, 3 << 20):  # up to several socket buffers
         payloads = [np.random.default_rng(r).integers(0, 256, size, np.uint8) for r in (0, 1)]
         seqs = [end.start(p.tobytes()) for end, p in zip((first, second), payloads, strict=True)]
@@ -38,8 +50,45 @@ def test_both_ends_get_every_payload_in_rank_order():
     assert first.sent_bytes == second.sent_bytes == 1 + 5 + (3 << 20)
 
 
-def test_exchanges_may_arrive_before_the_local_start_and_finish_in_any_order():
-    first, second = connected_pair()
+@pytest.mark.skipif(not exchange.native_available(), reason="exchange.cc did not build")
+def test_a_payload_of_another_size_is_refused_not_copied():
+    first, second = connected_pair(NativeExchange)
+    seq = first.start(b"abc")
+    second.start(b"defg")
+    with pytest.raises(RuntimeError, match="rank 1 sent 4 bytes, expected 3"):
+        first.finish(seq)
+
+
+@pytest.mark.skipif(not exchange.native_available(), reason="exchange.cc did not build")
+def test_inside_a_program_the_custom_calls_give_the_python_exchanges_bits(monkeypatch):
+    """One process, one device: the program's start/finish pair through each implementation
+    (an exchange of one process returns its own payload), compute placed between them."""
+    payload = jnp.arange(1000, dtype=jnp.uint8)
+
+    def program(x):
+        handle = exchange.start_exchange(x)
+        second = exchange.start_exchange(x[::-1], handle)
+        later = jnp.sum(x.astype(jnp.int32))
+        got = exchange.finish_exchange(handle, x.size, later)
+        return got, exchange.finish_exchange(second, x.size), handle, second
+
+    results = []
+    for ends in (ByteExchange(0, 1, {}), NativeExchange(0, 1, {})):
+        monkeypatch.setattr(exchange, "_exchange", ends)
+        traced = jax.jit(lambda x: program(x))  # a trace of its own: the exchange is read there
+        results.append([np.asarray(r) for r in traced(payload)])
+        text = traced.lower(payload).as_text()
+        native = isinstance(ends, NativeExchange)
+        assert ("equarx_exchange_start" in text) == native
+    for py, native in zip(*results, strict=True):
+        np.testing.assert_array_equal(py, native)
+    np.testing.assert_array_equal(results[1][0], np.asarray(payload)[None])
+    np.testing.assert_array_equal(results[1][1], np.asarray(payload)[::-1][None])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_exchanges_may_arrive_before_the_local_start_and_finish_in_any_order(kind):
+    first, second = connected_pair(kind)
     early = [second.start(bytes([k]) * 7) for k in range(3)]
     late = [first.start(bytes([10 + k]) * 7) for k in range(3)]
     assert early == late == [0, 1, 2]
@@ -48,18 +97,20 @@ def test_exchanges_may_arrive_before_the_local_start_and_finish_in_any_order():
         assert got[0].tolist() == [10 + seq] * 7 and got[1].tolist() == [seq] * 7
 
 
-def test_a_closed_peer_fails_the_wait_instead_of_hanging():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_closed_peer_fails_the_wait_instead_of_hanging(kind):
     a, b = socket.socketpair()
-    end = ByteExchange(0, 2, {1: a})
+    end = kind(0, 2, {1: a})
     seq = end.start(b"x")
     b.close()
     with pytest.raises(RuntimeError, match="connection failed"):
         end.finish(seq, timeout_s=30)
 
 
-def test_a_silent_peer_times_out():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_silent_peer_times_out(kind):
     a, _b = socket.socketpair()
-    end = ByteExchange(0, 2, {1: a})
+    end = kind(0, 2, {1: a})
     with pytest.raises(TimeoutError, match="exchange 0"):
         end.finish(end.start(b"x"), timeout_s=0.2)
 
@@ -139,17 +190,17 @@ def test_the_chunk_count_argument_takes_auto():
         chunks_or_auto("0")
 
 
-def test_recorded_times_follow_each_exchange_in_order():
-    first, second = connected_pair()
+@pytest.mark.parametrize("kind", KINDS)
+def test_recorded_times_follow_each_exchange_in_order(kind):
+    first, second = connected_pair(kind)
     first.record()
     seq = first.start(b"abc")
     second.start(b"def")
     first.finish(seq)
     second.finish(seq)  # our bytes arrived there; the sender thread notes `sent` right after
-    times = first.times[seq]
-    deadline = time.monotonic() + 10
-    while times.sent is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    time.sleep(0.2)
+    (times,) = first.recorded()
+    assert times.seq == seq and first.recorded() == []  # recording stopped
     assert times.started <= times.waited <= times.done
     assert times.arrived <= times.done and times.started <= times.sent
 

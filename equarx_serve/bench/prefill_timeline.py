@@ -30,9 +30,8 @@ def record(run: Callable[[], None]) -> np.ndarray:
     ends.record()
     try:
         run()
-        times = sorted(ends.times.values(), key=lambda t: t.seq)
     finally:
-        ends.times = None
+        times = ends.recorded()
     return np.array([[getattr(t, step) or np.nan for step in STEPS] for t in times])
 
 

@@ -20,16 +20,28 @@ same program at the same point, as for `transport.measure`): each process listen
 address its host name resolves to (the address gloo uses) and publishes it in the key-value
 store of `jax.distributed`. Cost per exchange: a device sends its payload to each of the
 N - 1 others, (N - 1) x its bytes; framing adds 16 bytes a message.
+
+Two implementations of the same exchange, chosen once a process: `NativeExchange`
+(`exchange.cc`: XLA:CPU custom calls and C++ threads, no Python on the program's path), built
+with the native kernels (`kernels/native.py`); and `ByteExchange` (Python threads, the pair as
+`io_callback`s) where they are unavailable (no compiler, `EQUARX_SERVE_NATIVE_KERNELS=0`).
+Measured in one process, 288 chained start/finish pairs of 170 KB (a 2048-token prefill's in 8
+chunks), beside the same program without them (~0.12 ms a step): the `io_callback` pair added
+~0.9-1.1 ms each (~0.45 ms at 1 KB payloads), ~0.3 s of each process's CPU in a prefill that
+computes for ~1.6 s; the custom calls none measurable (the program ran 0.08-0.09 ms a step).
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import functools
 import queue
 import socket
 import struct
 import threading
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +49,19 @@ import numpy as np
 from jax import lax
 from jax.experimental import io_callback
 
+from equarx_serve.kernels.native import NativeKernel
+
 _HEADER = struct.Struct("<QQ")  # exchange number, payload bytes
 _KEY = "equarx_serve/exchange/{}"
 CONNECT_TIMEOUT_S = 120.0
+_SOURCE = Path(__file__).with_suffix(".cc")
+_FALLBACK = "the Python exchange (io_callback)"
+START = NativeKernel(
+    _SOURCE, "EquarxExchangeStart", "equarx_exchange_start", _FALLBACK, ("-pthread",)
+)
+FINISH = NativeKernel(
+    _SOURCE, "EquarxExchangeFinish", "equarx_exchange_finish", _FALLBACK, ("-pthread",)
+)
 # How long `finish` waits for a peer's bytes before failing the program rather than hanging.
 FINISH_TIMEOUT_S = 600.0
 
@@ -122,6 +144,12 @@ class ByteExchange:
         with self._lock:
             self.times = {}
 
+    def recorded(self) -> list[ExchangeTimes]:
+        """The exchanges recorded since `record`, by number; recording stops."""
+        with self._lock:
+            times, self.times = self.times or {}, None
+        return sorted(times.values(), key=lambda t: t.seq)
+
     def _note(self, seq: int, step: str) -> None:
         """The time of `step` of exchange `seq`, when recording (hold the lock)."""
         if self.times is not None:
@@ -159,6 +187,85 @@ class ByteExchange:
             self._lock.notify_all()
 
 
+class NativeExchange:
+    """`ByteExchange`'s interface over `exchange.cc`'s exchange: the sockets are handed to C++
+    (closed here), whose threads move the bytes; inside a program `start_exchange` and
+    `finish_exchange` are its custom calls."""
+
+    def __init__(self, rank: int, size: int, peers: dict[int, socket.socket]):
+        self.rank, self.size = rank, size
+        self._lib = _native_library()
+        fds = (ctypes.c_int32 * size)(*[-1] * size)
+        for peer, sock in peers.items():
+            fds[peer] = sock.detach()
+        self.id = self._lib.equarx_exchange_open(rank, size, fds)
+        self._sizes: dict[int, int] = {}  # the payload sizes of `start`s outside programs
+
+    def start(self, payload: bytes) -> int:
+        """Queue `payload` for every peer; its exchange's number."""
+        seq = self._lib.equarx_exchange_start(self.id, payload, len(payload))
+        self._sizes[seq] = len(payload)
+        return seq
+
+    def finish(self, seq: int, timeout_s: float = FINISH_TIMEOUT_S) -> np.ndarray:
+        """Every process's payload of exchange `seq`, u8 [size (rank), bytes]; a payload of
+        another size than this process's is an error."""
+        out = np.empty((self.size, nbytes := self._sizes.pop(seq)), np.uint8)
+        why = ctypes.create_string_buffer(1024)
+        if self._lib.equarx_exchange_finish(
+            self.id, seq, out.ctypes.data, nbytes, timeout_s, why, len(why)
+        ):
+            reason = why.value.decode()
+            raise (TimeoutError if "no bytes" in reason else RuntimeError)(reason)
+        return out
+
+    @property
+    def sent_bytes(self) -> int:
+        return self._lib.equarx_exchange_sent_bytes(self.id)
+
+    def record(self) -> None:
+        """Record every exchange's `ExchangeTimes` from now on (`recorded`)."""
+        self._lib.equarx_exchange_record(self.id, 1)
+
+    def recorded(self) -> list[ExchangeTimes]:
+        """The exchanges recorded since `record`, by number; recording stops."""
+        rows = np.empty((1 << 16, 6))
+        count = self._lib.equarx_exchange_times(self.id, rows.ctypes.data, len(rows))
+        self._lib.equarx_exchange_record(self.id, 0)
+        nan_none = lambda t: None if np.isnan(t) else float(t)
+        return [ExchangeTimes(int(r[0]), *map(nan_none, r[1:])) for r in rows[:count]]
+
+    def close(self) -> None:
+        """Stop the threads and close the sockets (a pending `finish` fails)."""
+        self._lib.equarx_exchange_close(self.id)
+
+
+@functools.cache
+def _native_library() -> ctypes.CDLL:
+    """exchange.cc's library (registered as XLA:CPU custom calls), its C functions typed."""
+    if not native_available():
+        raise RuntimeError("exchange.cc is unavailable here: use ByteExchange")
+    lib = ctypes.cdll.LoadLibrary(str(START.build()))
+    i64, i32, p, f64 = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p, ctypes.c_double
+    for name, result, args in (
+        ("open", i64, [i32, i32, ctypes.POINTER(i32)]),
+        ("close", None, [i64]),
+        ("start", i64, [i64, ctypes.c_char_p, i64]),
+        ("finish", i64, [i64, i64, p, i64, f64, ctypes.c_char_p, i64]),
+        ("sent_bytes", i64, [i64]),
+        ("record", None, [i64, i32]),
+        ("times", i64, [i64, p, i64]),
+    ):
+        function = getattr(lib, f"equarx_exchange_{name}")
+        function.restype, function.argtypes = result, args
+    return lib
+
+
+def native_available() -> bool:
+    """Whether the exchange runs as `NativeExchange` (building exchange.cc on first use)."""
+    return START.available() and FINISH.available()
+
+
 def receive_exactly(sock: socket.socket, size: int) -> bytes | None:
     """`size` bytes from `sock`, or None when the peer closes the connection first."""
     buffer = bytearray(size)
@@ -178,7 +285,7 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-_exchange: ByteExchange | None = None
+_exchange: ByteExchange | NativeExchange | None = None
 _exchange_lock = threading.Lock()
 
 
@@ -194,7 +301,7 @@ def sent_bytes() -> int:
     return 0 if _exchange is None else _exchange.sent_bytes
 
 
-def get() -> ByteExchange:
+def get() -> ByteExchange | NativeExchange:
     """This process's exchange, connected on first use (collectively: see the module doc)."""
     global _exchange
     with _exchange_lock:
@@ -203,7 +310,7 @@ def get() -> ByteExchange:
         return _exchange
 
 
-def _connect(rank: int, size: int) -> ByteExchange:
+def _connect(rank: int, size: int) -> ByteExchange | NativeExchange:
     from jax._src import distributed  # the run's key-value store; no public API exposes it
 
     client = distributed.global_state.client
@@ -229,32 +336,53 @@ def _connect(rank: int, size: int) -> ByteExchange:
     for sock in peers.values():
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return ByteExchange(rank, size, peers)
+    ends = NativeExchange if native_available() else ByteExchange
+    return ends(rank, size, peers)
 
 
 def start_exchange(payload: jax.Array, after: jax.Array | None = None) -> jax.Array:
     """Inside a program: start exchanging `payload` (u8 [bytes]) once `after` (the previous
     exchange's handle, if any) exists; the handle (int32 scalar) for `finish_exchange`."""
     exchange = get()
+    if isinstance(exchange, NativeExchange):
+        call = jax.ffi.ffi_call(START.target, _HANDLE, has_side_effect=True)
+        started = call(payload, _ready(payload if after is None else after), exchange=exchange.id)
+        return _varying_as(started, payload)
 
     def start(payload: np.ndarray, *after: np.ndarray) -> np.ndarray:
         return np.int32(exchange.start(payload.tobytes()))  # a copy: XLA may reuse the buffer
 
     operands = (payload,) if after is None else (payload, _ready(after))
-    return io_callback(start, jax.ShapeDtypeStruct((), jnp.int32), *operands)
+    return io_callback(start, _HANDLE, *operands)
 
 
 def finish_exchange(handle: jax.Array, nbytes: int, after: jax.Array | None = None) -> jax.Array:
     """Inside a program: every process's payload of the exchange `handle`, u8 [N, nbytes],
     waited for only once `after` (the compute to run first, any array) exists."""
     exchange = get()
+    shape = jax.ShapeDtypeStruct((exchange.size, nbytes), jnp.uint8)
+    if isinstance(exchange, NativeExchange):
+        call = jax.ffi.ffi_call(FINISH.target, shape, has_side_effect=True)
+        timeout = np.float64(FINISH_TIMEOUT_S)
+        done = call(handle, _ready(handle if after is None else after), exchange=exchange.id,
+                    timeout_s=timeout)  # fmt: skip
+        return _varying_as(done, handle)
 
     def finish(handle: np.ndarray, *after: np.ndarray) -> np.ndarray:
         return exchange.finish(int(handle))
 
     operands = (handle,) if after is None else (handle, _ready(after))
-    shape = jax.ShapeDtypeStruct((exchange.size, nbytes), jnp.uint8)
     return io_callback(finish, shape, *operands)
+
+
+_HANDLE = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def _varying_as(y: jax.Array, x: jax.Array) -> jax.Array:
+    """y, varying over the mesh axes x varies over (inside `shard_map`, a custom call's result
+    is typed as the same on every device; this one differs by process)."""
+    varying = tuple(jax.typeof(x).mat.varying)
+    return lax.pcast(y, varying, to="varying") if varying else y
 
 
 def _ready(x: jax.Array) -> jax.Array:
