@@ -71,6 +71,7 @@ def test_streams_one_prompt_and_reports_the_gate():
         (["--prompt", "x", "--prompt-file", "/nonexistent/p.txt"], "No such file"),
         (["--prompt", "x", "--weights", "gguf"], "only the packaged gemma3-270m checkpoint"),
         (["--prompt", "x", "--weights", "int4"], "invalid choice: 'int4'"),
+        (["--prompt", "x", "--overlap-chunks", "0"], "must be an integer >= 1"),
     ],
 )
 def test_bad_input_is_a_usage_error(args, message, capsys):
@@ -91,3 +92,15 @@ def test_weights_auto_decodes_on_the_gguf_blocks_only_where_a_gguf_gives_them():
     assert resolved_weights(args(model="tiny")) == "bf16"
     assert resolved_weights(args(checkpoint="/some/orbax")) == "bf16"
     assert resolved_weights(args(weights="bf16")) == "bf16"
+
+
+@pytest.mark.parametrize(
+    "argv", [["generate", "--model", "tiny", "--prompt", "x"], ["serve", "--model", "tiny"]]
+)
+def test_overlap_chunks_reach_the_engine(argv):
+    from equarx_serve.generation.model_args import engine_from_args
+
+    parser = cli.build_parser()
+    chunks = engine_from_args(parser.parse_args([*argv, "--overlap-chunks", "4"]), max_length=64)
+    default = engine_from_args(parser.parse_args(argv), max_length=64)
+    assert (chunks.model.overlap_chunks, default.model.overlap_chunks) == (4, "auto")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import threading
 
 import pytest
@@ -80,6 +81,39 @@ def test_servers_run_on_emulated_links_when_asked(monkeypatch):
     assert command[command.index("--link-delay") + 1] == "1ms"
     loopback = serve_bench.server_command(_parsed_args(monkeypatch, []), "psum", 8000)
     assert "--link" not in loopback and "--link-delay" not in loopback
+
+
+def test_every_method_is_served_with_every_overlap_setting(monkeypatch):
+    run = serve_bench.run  # _parsed_args replaces it
+    args = _parsed_args(monkeypatch, ["--methods", "ring", "equarx-int8", "--overlap-chunks", "1"])
+    command = serve_bench.server_command(args, "ring", 8000, args.overlap_chunks[0])
+    assert command[command.index("--overlap-chunks") + 1] == "1"
+    args = _parsed_args(monkeypatch, ["--methods", "ring", "equarx-int8", "--overlap-chunks", "1",
+                                      "auto", "--clients", "--ttft-repeats", "1"])  # fmt: skip
+    served_commands = []
+
+    @contextlib.contextmanager
+    def fake_server(command, port):
+        served_commands.append(command)
+        yield "http://fake"
+
+    monkeypatch.setattr(serve_bench, "running_server", fake_server)
+    monkeypatch.setattr(serve_bench, "long_prompt", lambda model, tokens: "prompt")
+    monkeypatch.setattr(serve_bench, "_measure_ttft", lambda url, args, prompt: {"median_s": 1})
+    result = run(args)
+    assert list(result["ttft"]) == [
+        "ring/overlap=1", "ring/overlap=auto", "equarx-int8/overlap=1", "equarx-int8/overlap=auto"
+    ]  # fmt: skip
+    chunks = [(c[c.index("--all-reduce") + 1], c[c.index("--overlap-chunks") + 1])
+              for c in served_commands]  # fmt: skip
+    assert chunks == [
+        ("ring", "1"),
+        ("ring", "auto"),
+        ("equarx-int8", "1"),
+        ("equarx-int8", "auto"),
+    ]
+    with pytest.raises(SystemExit):
+        serve_bench.main(["--overlap-chunks", "0"])
 
 
 @pytest.mark.parametrize("argv", [["--processes", "0", "--link", "1gbit"], ["--link-delay", "1ms"]])

@@ -2,24 +2,27 @@
 
     python -m equarx_serve.bench.serve [--model gemma3-270m] [--tp 2] [--processes 2]
         [--methods psum equarx-int8] [--ttft-tokens 2000] [--ttft-repeats 5]
-        [--clients 1 4 16] [--load-method M] [--requests-per-client 4] [--max-tokens 16]
+        [--overlap-chunks auto] [--clients 1 4 16] [--load-method M]
+        [--requests-per-client 4] [--max-tokens 16]
         [--link RATE [--link-delay D]] [--json PATH]
 
-For each all-reduce in --methods, one `equarx-serve serve` is started (its own process group;
-with --processes N, N local processes joined by gloo over loopback, or with --link RATE on
-emulated hosts joined by links of that rate, root only, see `distributed/cluster.py`), waited
-for (/health), then measured, then stopped with SIGTERM:
+For each all-reduce in --methods (and each --overlap-chunks K, labelled METHOD/overlap=K where
+there are several), one `equarx-serve serve` is started (its own process group; with
+--processes N, N local processes joined by gloo over loopback, or with --link RATE on emulated
+hosts joined by links of that rate, root only, see `distributed/cluster.py`), waited for
+(/health), then measured, then stopped with SIGTERM:
 
 1. Time to first token of a long prompt: a streamed completion (`max_tokens` 2, greedy) of
    --ttft-tokens tokens of text (CPython's reference, cut with the model's tokenizer): one
    untimed run (it compiles the prompt's length bucket), then --ttft-repeats timed ones, each
    from sending the request to receiving the first streamed text, on the client.
-2. Load (on --load-method, default the last): C clients at a time (--clients), each sending
-   --requests-per-client chat completions back to back (non-streamed, --max-tokens, greedy,
-   a different short question each), after one untimed round at every level (it compiles the
-   batch shapes). Per level: requests/s (answered requests / wall time), latency
-   p50 and p99 (send to full answer), errors (exceptions, no retries) and lost requests (sent
-   but neither answered nor failed), checked against the server's own counters.
+2. Load (on --load-method, default the last, with the first --overlap-chunks): C clients at
+   a time (--clients), each sending --requests-per-client chat completions back to back
+   (non-streamed, --max-tokens, greedy, a different short question each), after one untimed
+   round at every level (it compiles the batch shapes). Per level: requests/s (answered
+   requests / wall time), latency p50 and p99 (send to full answer), errors (exceptions, no
+   retries) and lost requests (sent but neither answered nor failed), checked against the
+   server's own counters.
 
 Methods run one after the other on the same machine: the TTFT ratio is of medians measured in
 one run of this command.
@@ -43,6 +46,7 @@ from pathlib import Path
 
 import httpx
 
+from equarx_serve.arguments import chunks_or_auto
 from equarx_serve.bench import provenance
 from equarx_serve.distributed.multiprocess import free_port
 
@@ -74,10 +78,14 @@ class LoadLevel:
     completion_tokens: int
 
 
-def server_command(args: argparse.Namespace, method: str, port: int) -> list[str]:
-    """The `equarx-serve serve` command line for `method` on `port`."""
+def server_command(
+    args: argparse.Namespace, method: str, port: int, overlap_chunks: str = "auto"
+) -> list[str]:
+    """The `equarx-serve serve` command line for `method` (its prefills in `overlap_chunks`)
+    on `port`."""
     command = [sys.executable, "-m", "equarx_serve", "serve", "--model", args.model]
     command += ["--tp", str(args.tp), "--all-reduce", method, "--port", str(port)]
+    command += ["--overlap-chunks", overlap_chunks]
     command += ["--max-length", str(args.max_length), "--log-level", "warning"]
     if args.processes:
         command += ["--processes", str(args.processes)]
@@ -235,16 +243,24 @@ def finished_on_server(url: str) -> int:
 def run(args: argparse.Namespace) -> dict:
     prompt = long_prompt(args.model, args.ttft_tokens) if args.ttft_repeats else ""
     result: dict = {"settings": vars(args) | {"json": str(args.json)}, "ttft": {}, "load": []}
+    load_method = args.load_method or args.methods[-1]
     for method in args.methods:
-        print(f"== {method}", flush=True)
-        port = free_port()
-        with running_server(server_command(args, method, port), port) as url:
-            if args.ttft_repeats:
-                result["ttft"][method] = _measure_ttft(url, args, prompt)
-            if method == (args.load_method or args.methods[-1]) and args.clients:
-                result["load_method"] = method
-                result["load"] = _measure_load(url, args)
+        for chunks in args.overlap_chunks:
+            label = server_label(method, chunks, args.overlap_chunks)
+            print(f"== {label}", flush=True)
+            port = free_port()
+            with running_server(server_command(args, method, port, chunks), port) as url:
+                if args.ttft_repeats:
+                    result["ttft"][label] = _measure_ttft(url, args, prompt)
+                if method == load_method and chunks == args.overlap_chunks[0] and args.clients:
+                    result["load_method"] = label
+                    result["load"] = _measure_load(url, args)
     return result
+
+
+def server_label(method: str, chunks: str, all_chunks: Sequence[str]) -> str:
+    """`method`, with "/overlap=K" where more than one --overlap-chunks is measured."""
+    return method if len(all_chunks) == 1 else f"{method}/overlap={chunks}"
 
 
 def _measure_ttft(url: str, args: argparse.Namespace, prompt: str) -> dict:
@@ -315,6 +331,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="0: one process")
     parser.add_argument("--methods", nargs="+", default=["psum", "equarx-int8"])
     parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument(
+        "--overlap-chunks",
+        nargs="+",
+        default=["auto"],
+        type=lambda text: str(chunks_or_auto(text)),
+        metavar="K",
+        help="each method's servers with `serve --overlap-chunks K` (default: auto)",
+    )
     parser.add_argument("--ttft-tokens", type=int, default=2000)
     parser.add_argument("--ttft-repeats", type=int, default=5)
     parser.add_argument("--clients", type=int, nargs="*", default=[1, 4, 16])

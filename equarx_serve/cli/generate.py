@@ -40,6 +40,7 @@ from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.cli import processes
 from equarx_serve.generation.model_args import (
     add_model_arguments,
+    add_overlap_argument,
     check_model_arguments,
     engine_from_args,
 )
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model = parser.add_argument_group("model")
     add_model_arguments(model)
+    add_overlap_argument(model)
     model.add_argument(
         "--max-length",
         type=argument_type(int_at_least(16)),

@@ -47,6 +47,7 @@ from equarx_serve.arguments import UsageError, argument_type, int_at_least
 from equarx_serve.cli import processes
 from equarx_serve.generation.model_args import (
     add_model_arguments,
+    add_overlap_argument,
     check_model_arguments,
     engine_from_args,
 )
@@ -75,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="default: %(default)s (0: any free port)",
     )
     add_model_arguments(parser)
+    add_overlap_argument(parser)
     parser.add_argument(
         "--served-model-name",
         metavar="NAME",

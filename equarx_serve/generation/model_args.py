@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.arguments import UsageError, argument_type, int_at_least
+from equarx_serve.arguments import UsageError, argument_type, chunks_or_auto, int_at_least
 from equarx_serve.collectives.registry import parse_method
 from models.config import has_gguf_blocks
 
@@ -73,6 +73,19 @@ def add_model_arguments(
         )
 
 
+def add_overlap_argument(group: argparse._ActionsContainer) -> None:
+    """--overlap-chunks of the engine `engine_from_args` builds."""
+    group.add_argument(
+        "--overlap-chunks",
+        type=argument_type(chunks_or_auto),
+        default="auto",
+        metavar="K",
+        help="run a prefill's layers on K token chunks, so that one chunk's all-reduces travel "
+        "while the next one computes; auto (default): chunks where they were measured to pay "
+        "(collectives.overlap.auto_chunks: 2 CPU processes, a slow link, a long prompt), else 1",
+    )
+
+
 def check_model_arguments(args: argparse.Namespace) -> None:
     """UsageError for model flags that cannot go together (before anything loads)."""
     if (args.checkpoint is None) != (args.tokenizer is None):
@@ -87,9 +100,9 @@ def resolved_weights(args: argparse.Namespace) -> str:
 
 
 def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
-    """The `PrefillEngine` the flags of `add_model_arguments` describe (imports JAX: set the
-    host device count first); UsageError for an unknown all-reduce, a model that cannot be
-    split TP ways, too few devices or unreadable weights."""
+    """The `PrefillEngine` the flags of `add_model_arguments` and `add_overlap_argument`
+    describe (imports JAX: set the host device count first); UsageError for an unknown
+    all-reduce, a model that cannot be split TP ways, too few devices or unreadable weights."""
     import jax.numpy as jnp
 
     from equarx_serve.collectives import get_all_reduce
@@ -110,6 +123,7 @@ def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
             max_length=max_length,
             dtype=jnp.dtype(args.dtype),
             weights=resolved_weights(args),
+            overlap_chunks=args.overlap_chunks,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
