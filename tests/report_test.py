@@ -212,3 +212,13 @@ def test_the_served_part_of_a_compare_renders_in_its_own_block(results: Path):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["report", str(results), "--check", str(page)])
     assert exit_info.value.code == 2
+
+
+def test_serve_table_has_each_servers_ttft_and_its_speedup_over_the_first():
+    ttft = {
+        "ring/overlap=1": {"prompt_tokens": 2000, "seconds": [8.0, 9.0, 7.5], "median_s": 8.0},
+        "ring/overlap=auto": {"prompt_tokens": 2000, "seconds": [5.0, 5.5, 4.0], "median_s": 5.0},
+    }
+    table = report.serve_table({"ttft": ttft, "load": []})
+    assert table.header[3] == "speed-up vs `ring/overlap=1`"
+    assert table.rows[1] == ["ring/overlap=auto", "2000", "5.00", "1.60x", "5.00, 5.50, 4.00"]

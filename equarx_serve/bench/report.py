@@ -322,13 +322,16 @@ def served_table(document: dict[str, Any]) -> Table:
 
 
 def serve_table(document: dict[str, Any]) -> Table:
-    """Time to first token per method, as the serve benchmark recorded it."""
-    rows = [[method, _cell(v)] for method, v in document["ttft"].items()]
-    return Table(["method", "time to first token"], rows)
-
-
-def _cell(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """Time to first token of the long prompt per served method (`bench serve`), and each one's
+    speed-up over the first, measured in the same run."""
+    ttft = document["ttft"]
+    first = next(iter(ttft.values()), None)
+    header = ["server", "prompt tokens", "TTFT median s", f"speed-up vs `{next(iter(ttft), '')}`",
+              "runs s"]  # fmt: skip
+    rows = [[label, str(t["prompt_tokens"]), f"{t['median_s']:.2f}",
+             f"{first['median_s'] / t['median_s']:.2f}x",
+             ", ".join(f"{s:.2f}" for s in t["seconds"])] for label, t in ttft.items()]  # fmt: skip
+    return Table(header, rows)
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any]], Table]] = {

@@ -47,7 +47,8 @@ from pathlib import Path
 import httpx
 
 from equarx_serve.arguments import chunks_or_auto
-from equarx_serve.bench import provenance
+from equarx_serve.bench import links, provenance
+from equarx_serve.distributed.cluster import Link
 from equarx_serve.distributed.multiprocess import free_port
 
 START_TIMEOUT_S = 900.0
@@ -243,6 +244,7 @@ def finished_on_server(url: str) -> int:
 def run(args: argparse.Namespace) -> dict:
     prompt = long_prompt(args.model, args.ttft_tokens) if args.ttft_repeats else ""
     result: dict = {"settings": vars(args) | {"json": str(args.json)}, "ttft": {}, "load": []}
+    result["link"] = measure_link(args)
     load_method = args.load_method or args.methods[-1]
     for method in args.methods:
         for chunks in args.overlap_chunks:
@@ -256,6 +258,15 @@ def run(args: argparse.Namespace) -> dict:
                     result["load_method"] = label
                     result["load"] = _measure_load(url, args)
     return result
+
+
+def measure_link(args: argparse.Namespace) -> dict | None:
+    """With --link: the link measured once, on emulated hosts set up as each server's are (each
+    server measures its own at start and prints it), for the result's provenance."""
+    if not args.link:
+        return None
+    with links.hosts_for(args.processes, Link.parse(args.link, args.link_delay)) as (_, measured):
+        return measured
 
 
 def server_label(method: str, chunks: str, all_chunks: Sequence[str]) -> str:
