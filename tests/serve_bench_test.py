@@ -88,6 +88,10 @@ def test_every_method_is_served_with_every_overlap_setting(monkeypatch):
     args = _parsed_args(monkeypatch, ["--methods", "ring", "equarx-int8", "--overlap-chunks", "1"])
     command = serve_bench.server_command(args, "ring", 8000, args.overlap_chunks[0])
     assert command[command.index("--overlap-chunks") + 1] == "1"
+    assert command[command.index("--weights") + 1] == "auto"  # serve's own default
+    args = _parsed_args(monkeypatch, ["--weights", "bf16"])
+    command = serve_bench.server_command(args, "ring", 8000)
+    assert command[command.index("--weights") + 1] == "bf16"
     args = _parsed_args(monkeypatch, ["--methods", "ring", "equarx-int8", "--overlap-chunks", "1",
                                       "auto", "--clients", "--ttft-repeats", "1"])  # fmt: skip
     served_commands = []

@@ -2,7 +2,7 @@
 
     python -m equarx_serve.bench.serve [--model gemma3-270m] [--tp 2] [--processes 2]
         [--methods psum equarx-int8] [--ttft-tokens 2000] [--ttft-repeats 5]
-        [--overlap-chunks auto] [--clients 1 4 16] [--load-method M]
+        [--weights auto] [--overlap-chunks auto] [--clients 1 4 16] [--load-method M]
         [--requests-per-client 4] [--max-tokens 16]
         [--link RATE [--link-delay D]] [--json PATH]
 
@@ -50,6 +50,7 @@ from equarx_serve.arguments import chunks_or_auto
 from equarx_serve.bench import links, provenance
 from equarx_serve.distributed.cluster import Link
 from equarx_serve.distributed.multiprocess import free_port
+from equarx_serve.generation.model_args import AUTO, DEFAULT_WEIGHTS, WEIGHTS
 
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 900.0
@@ -86,7 +87,7 @@ def server_command(
     on `port`."""
     command = [sys.executable, "-m", "equarx_serve", "serve", "--model", args.model]
     command += ["--tp", str(args.tp), "--all-reduce", method, "--port", str(port)]
-    command += ["--overlap-chunks", overlap_chunks]
+    command += ["--overlap-chunks", overlap_chunks, "--weights", args.weights]
     command += ["--max-length", str(args.max_length), "--log-level", "warning"]
     if args.processes:
         command += ["--processes", str(args.processes)]
@@ -342,6 +343,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2, help="0: one process")
     parser.add_argument("--methods", nargs="+", default=["psum", "equarx-int8"])
     parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument(
+        "--weights",
+        choices=(AUTO, *WEIGHTS),
+        default=DEFAULT_WEIGHTS,
+        help="every server's `serve --weights` (default: %(default)s, serve's own default)",
+    )
     parser.add_argument(
         "--overlap-chunks",
         nargs="+",
