@@ -41,8 +41,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -176,54 +177,77 @@ def time_to_first_token(url: str, model: str, prompt: str) -> tuple[float, int]:
     return first, prompt_tokens
 
 
-async def load_level(
-    url: str, model: str, clients: int, per_client: int, max_tokens: int
-) -> LoadLevel:
+@dataclasses.dataclass(frozen=True)
+class ClientsPass[T]:
+    """What `run_clients` got back: each answered request's result, the requests that raised
+    (counted, never retried) and the wall time of the whole pass."""
+
+    results: list[T]
+    errors: int
+    wall_s: float
+
+
+async def run_clients[T](
+    url: str,
+    clients: int,
+    per_client: int,
+    request: Callable[[Any, int], Awaitable[T]],
+) -> ClientsPass[T]:
+    """`clients` concurrent clients of the server at `url` (one official `AsyncOpenAI` client,
+    no retries), each sending `per_client` requests back to back: `request(client, i)` with i
+    = c * per_client + r the request's index."""
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(
         base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
     )
-    latencies: list[float] = []
+    results: list[T] = []
     errors = 0
-    tokens = 0
 
     async def one_client(c: int) -> None:
-        nonlocal errors, tokens
+        nonlocal errors
         for r in range(per_client):
-            question = QUESTIONS[(c * per_client + r) % len(QUESTIONS)]
-            started = time.perf_counter()
             try:
-                answer = await client.chat.completions.create(
-                    model=model,
-                    messages=[{"role": "user", "content": question}],
-                    max_tokens=max_tokens,
-                    temperature=0,
-                )
+                results.append(await request(client, c * per_client + r))
             except Exception as e:
                 errors += 1
                 print(f"  error: {type(e).__name__}: {e}", file=sys.stderr)
-                continue
-            latencies.append(time.perf_counter() - started)
-            tokens += answer.usage.completion_tokens
 
     started = time.perf_counter()
     await asyncio.gather(*(one_client(c) for c in range(clients)))
     wall = time.perf_counter() - started
     await client.close()
+    return ClientsPass(results, errors, wall)
+
+
+async def load_level(
+    url: str, model: str, clients: int, per_client: int, max_tokens: int
+) -> LoadLevel:
+    async def chat(client: Any, i: int) -> tuple[float, int]:  # (latency s, completion tokens)
+        started = time.perf_counter()
+        answer = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            max_tokens=max_tokens,
+            temperature=0,
+        )
+        return time.perf_counter() - started, answer.usage.completion_tokens
+
+    done = await run_clients(url, clients, per_client, chat)
+    latencies = [latency for latency, _ in done.results]
     sent = clients * per_client
     ordered = sorted(latencies) or [float("nan")]
     return LoadLevel(
         clients=clients,
         requests=sent,
         answered=len(latencies),
-        errors=errors,
-        lost=sent - len(latencies) - errors,
-        wall_s=wall,
-        requests_per_s=len(latencies) / wall,
+        errors=done.errors,
+        lost=sent - len(latencies) - done.errors,
+        wall_s=done.wall_s,
+        requests_per_s=len(latencies) / done.wall_s,
         latency_p50_s=statistics.median(ordered),
         latency_p99_s=percentile(ordered, 0.99),
-        completion_tokens=tokens,
+        completion_tokens=sum(tokens for _, tokens in done.results),
     )
 
 

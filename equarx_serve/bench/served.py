@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from equarx_serve.bench.serve import REQUEST_TIMEOUT_S, percentile, running_server
+from equarx_serve.bench.serve import ClientsPass, percentile, run_clients, running_server
 from equarx_serve.bench.text import right_aligned
 from equarx_serve.distributed.multiprocess import free_port
 
@@ -141,31 +141,13 @@ async def _complete(client: Any, model: str, prompt: str, stream: bool) -> _Answ
 
 async def _pass(
     url: str, model: str, texts: Sequence[str], clients: int, per_client: int, stream: bool
-) -> tuple[list[_Answer], int, float]:
-    """`clients` clients, `per_client` requests each, back to back: answers, errors, wall s."""
-    from openai import AsyncOpenAI
+) -> ClientsPass[_Answer]:
+    """`clients` clients, `per_client` completions each, back to back (`run_clients`)."""
 
-    client = AsyncOpenAI(
-        base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=REQUEST_TIMEOUT_S
-    )
-    answers: list[_Answer] = []
-    errors = 0
+    async def complete(client: Any, i: int) -> _Answer:
+        return await _complete(client, model, texts[i % len(texts)], stream)
 
-    async def one_client(c: int) -> None:
-        nonlocal errors
-        for r in range(per_client):
-            try:
-                text = texts[(c * per_client + r) % len(texts)]
-                answers.append(await _complete(client, model, text, stream))
-            except Exception as e:
-                errors += 1
-                print(f"  error: {type(e).__name__}: {e}", file=sys.stderr)
-
-    started = time.perf_counter()
-    await asyncio.gather(*(one_client(c) for c in range(clients)))
-    wall = time.perf_counter() - started
-    await client.close()
-    return answers, errors, wall
+    return await run_clients(url, clients, per_client, complete)
 
 
 def stream_decode_rate(answer: _Answer) -> float | None:
@@ -178,8 +160,9 @@ def stream_decode_rate(answer: _Answer) -> float | None:
 
 def measure_level(url: str, server: str, model: str, texts: Sequence[str], clients: int):
     per_client = requests_per_client(clients)
-    plain, plain_errors, wall = asyncio.run(_pass(url, model, texts, clients, per_client, False))
-    streamed, stream_errors, _ = asyncio.run(_pass(url, model, texts, clients, per_client, True))
+    plain_pass = asyncio.run(_pass(url, model, texts, clients, per_client, False))
+    streamed_pass = asyncio.run(_pass(url, model, texts, clients, per_client, True))
+    plain, streamed = plain_pass.results, streamed_pass.results
     rates = [r for a in streamed if (r := stream_decode_rate(a)) is not None]
     firsts = [a.first_s for a in streamed if a.first_s is not None]
     latencies = [a.latency_s for a in plain]
@@ -187,9 +170,9 @@ def measure_level(url: str, server: str, model: str, texts: Sequence[str], clien
         server=server,
         clients=clients,
         requests=clients * per_client,
-        errors=plain_errors + stream_errors + (len(streamed) - len(firsts)),
+        errors=plain_pass.errors + streamed_pass.errors + (len(streamed) - len(firsts)),
         output_tokens=sum(a.tokens or 0 for a in plain),
-        wall_s=wall,
+        wall_s=plain_pass.wall_s,
         latency_p50_s=percentile(latencies, 0.5),
         latency_p99_s=percentile(latencies, 0.99),
         ttft_p50_s=percentile(firsts, 0.5),
