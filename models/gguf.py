@@ -46,7 +46,7 @@ import dataclasses
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -287,18 +287,18 @@ def _expected_gguf_shapes(hp: Gemma3Hparams) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_gguf_params(
-    path_or_reader: str | os.PathLike[str] | Any,
-    expected: Gemma3Hparams = GEMMA3_270M,
-) -> dict[str, Any]:
-    """The gemma parameter tree (nested dicts of float32 numpy arrays) of a Gemma 3 GGUF file.
+class _Gemma3Tensors(NamedTuple):
+    path: Path
+    hparams: Gemma3Hparams
+    shapes: dict[str, tuple[int, ...]]  # each tensor's expected (dequantized) shape
+    tensors: dict[str, Any]  # name -> the reader's tensor
 
-    `path_or_reader` is a path or a reader from `open_gguf`. The file's hyper-parameters must
-    equal `expected` and its tensors must be exactly those of that model; otherwise
-    ValueError (FileNotFoundError for a missing file) naming the file and the problem.
-    """
-    import gguf
 
+def _gemma3_tensors(
+    path_or_reader: str | os.PathLike[str] | Any, expected: Gemma3Hparams
+) -> _Gemma3Tensors:
+    """The file's tensors by name, once its hyper-parameters equal `expected` and its tensor
+    names are exactly a Gemma 3's of that shape (ValueError naming the file otherwise)."""
     reader, path = _as_reader(path_or_reader)
     hp = read_gguf_hparams(reader, expected)
     want = _expected_gguf_shapes(hp)
@@ -312,6 +312,22 @@ def load_gguf_params(
             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''} ({len(missing)}), "
             f"unexpected {extra[:8]}{'...' if len(extra) > 8 else ''} ({len(extra)})",
         )
+    return _Gemma3Tensors(path, hp, want, tensors)
+
+
+def load_gguf_params(
+    path_or_reader: str | os.PathLike[str] | Any,
+    expected: Gemma3Hparams = GEMMA3_270M,
+) -> dict[str, Any]:
+    """The gemma parameter tree (nested dicts of float32 numpy arrays) of a Gemma 3 GGUF file.
+
+    `path_or_reader` is a path or a reader from `open_gguf`. The file's hyper-parameters must
+    equal `expected` and its tensors must be exactly those of that model; otherwise
+    ValueError (FileNotFoundError for a missing file) naming the file and the problem.
+    """
+    import gguf
+
+    path, hp, want, tensors = _gemma3_tensors(path_or_reader, expected)
 
     def get(name: str) -> np.ndarray:
         t = tensors[name]
@@ -381,12 +397,7 @@ def load_gguf_blocks(
     reject, or a tensor of a type with no int8 form (`gguf_blocks.SUPPORTED`)."""
     from models.gguf_blocks import int8_blocks
 
-    reader, path = _as_reader(path_or_reader)
-    hp = read_gguf_hparams(reader, expected)
-    want = _expected_gguf_shapes(hp)
-    tensors = {t.name: t for t in reader.tensors}
-    if missing := sorted(set(want) - set(tensors)):
-        raise _err(path, f"missing tensors {missing[:8]} ({len(missing)})")
+    path, hp, want, tensors = _gemma3_tensors(path_or_reader, expected)
 
     def get(name: str) -> dict[str, np.ndarray]:
         try:

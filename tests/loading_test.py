@@ -358,12 +358,17 @@ def test_hparams_mismatch(tiny):
 
 
 def test_missing_extra_and_misshapen_tensors(tmp_path):
+    from models.gguf import load_gguf_blocks
+
     t = tiny_tensors()
     del t["blk.1.ffn_up.weight"]
     t["output.weight"] = t["token_embd.weight"]
     write_tiny_gguf(tmp_path / "a.gguf", tensors=t)
-    with pytest.raises(ValueError, match=r"missing \['blk\.1\.ffn_up\.weight'\].*output\.weight"):
-        load_gguf_params(tmp_path / "a.gguf", TINY)
+    for load in (load_gguf_params, load_gguf_blocks):  # the same check of the names
+        with pytest.raises(
+            ValueError, match=r"missing \['blk\.1\.ffn_up\.weight'\].*output\.weight"
+        ):
+            load(tmp_path / "a.gguf", TINY)
     t = tiny_tensors()
     t["blk.0.ffn_down.weight"] = t["blk.0.ffn_down.weight"].T.copy()
     write_tiny_gguf(tmp_path / "b.gguf", tensors=t)
