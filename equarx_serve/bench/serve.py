@@ -47,7 +47,7 @@ from typing import Any
 
 import httpx
 
-from equarx_serve.arguments import chunks_or_auto
+from equarx_serve.arguments import argument_type, chunks_or_auto
 from equarx_serve.bench import links, provenance
 from equarx_serve.distributed.cluster import Link
 from equarx_serve.distributed.multiprocess import free_port
@@ -377,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--overlap-chunks",
         nargs="+",
         default=["auto"],
-        type=lambda text: str(chunks_or_auto(text)),
+        type=argument_type(lambda text: str(chunks_or_auto(text))),
         metavar="K",
         help="each method's servers with `serve --overlap-chunks K` (default: auto)",
     )
