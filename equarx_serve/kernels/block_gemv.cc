@@ -7,22 +7,27 @@
 //   (no offsets), out [B, O] f32; G (the group size, I / scales' columns) a multiple of 16.
 //
 // That is x times the table whose element is scales * values - offsets (models/gguf_blocks.py
-// writes a GGUF tensor in this form, exactly). One pass over the table, two table rows at a
-// time, with up to kMaxRows rows of x (more rows take one pass per kMaxRows): every 16 int8 of
-// a table row are loaded once, widened and dequantized in f32 (value * scale - offset: the
-// operations, and so the bits, of gguf.quants' dequantize), and multiplied into one
-// accumulator per (table row, x row) pair; each 16 of x is loaded once for both table rows.
-// The sums are f32, in lanes of 16, each lane's sum added at the row's end.
-//   AVX-512F   16 int8 sign-extended to int32, converted to f32, scaled, then FMA;
-//   otherwise  plain loops over 16 lanes, for the compiler to vectorize.
-// (A first version summed each group's products before scaling them: it ran compute-bound,
-// 56.7 ms against 19.7 for this one at 8 rows of Gemma 3 270M's head per device.)
+// writes a GGUF tensor in this form, exactly). One pass over the table, a tile of table rows
+// at a time (two, one for more than 4 rows of x), with up to kMaxRows rows of x (more rows take
+// one pass per kMaxRows). Per group of G weights of a table row: its 16-int8 runs are widened
+// to f32 once (exact integers), multiplied into one group sum per x row (f32 FMAs), and each
+// group sum is scaled once, acc += scale * sum, into two accumulators (even and odd groups, so
+// consecutive groups do not wait for each other); the offsets' part, sum over groups of
+// offset * (the group's sum of x), is taken from the x rows' group sums at the row's end. The
+// rows a few tiles ahead are prefetched: without it the pass ran at ~8 GB/s, under a third of
+// a core's read bandwidth (docs/decisions.md).
+//   AVX-512 VBMI  16 int8, sign bits flipped, placed by one byte permute into the low bytes of
+//                 f32 2^23 and 2^23 + 128 subtracted (exact);
+//   AVX-512F      16 int8 sign-extended to int32, converted to f32;
+//   otherwise     plain loops over 16 lanes, for the compiler to vectorize.
+// The sums differ from a per-weight dequantization (value * scale - offset, then x times it) in
+// the last bits of the f32 sums; both are tested against the exact (f64) product.
 // Single-threaded: XLA:CPU runs each device's program on its own thread, so a mesh of T host
 // devices reads its T table shards on T cores at once.
 //
 // Cost per pass: O * I * (1 + 4 / G) bytes read (+ 4 O I / G with offsets; x stays in L1),
-// B * O * 4 written, 2 * B * O * I + 2 * O * I FLOPs (the dequantization once a pass). Against
-// a bf16 table (2 bytes a weight) that is 0.56x the bytes at G = 32, 0.63x at G = 16.
+// B * O * 4 written, 2 * B * O * I + O * I FLOPs (+ 2 B O I / G for the scaling). Against a bf16
+// table (2 bytes a weight) that is 0.56x the bytes at G = 32, 0.63x at G = 16.
 
 #include <cstdint>
 #include <cstring>
@@ -43,111 +48,190 @@ using equarx::Bf16ToF32;
 
 constexpr int64_t kMaxRows = 8;
 constexpr int64_t kLanes = 16;
+constexpr int64_t kPrefetchTiles = 4;  // how far ahead of the tile being read (measured: 2-8 alike)
 
-// What one build multiplies with: Acc, a register of kLanes f32. Weights widens 16 int8 and
-// dequantizes them (value * scale, minus the offset where kOffsets: the f32 operations
-// gguf.quants' dequantize does, so each weight is bit-identical to its dequantized f32), Madd
-// adds their products with 16 f32 of x, Sum adds a register's lanes.
+// What one build multiplies with: Acc, a register of kLanes f32. Widen makes 16 int8 f32
+// (exact), Madd adds their products with 16 f32 of x, Scale adds a group sum times its scale,
+// Sum adds a register's lanes.
 #if defined(__AVX512F__)
 struct Lanes {
   using Acc = __m512;
-  template <bool kOffsets>
-  static Acc Weights(const int8_t* p, float scale, float offset) {
+  static Acc Widen(const int8_t* p) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const Acc w = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)),
-                                _mm512_set1_ps(scale));
-    return kOffsets ? _mm512_sub_ps(w, _mm512_set1_ps(offset)) : w;
+#if defined(__AVX512VBMI__)
+    // Byte k (sign bit flipped: k + 128, in [0, 255]) into lane k's low byte of 2^23's bits.
+    const __m512i spread = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i bits = _mm512_mask_permutexvar_epi8(
+        _mm512_set1_epi32(0x4B000000), 0x1111111111111111ull, spread,
+        _mm512_castsi128_si512(_mm_xor_si128(bytes, _mm_set1_epi8(-128))));
+    return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(8388608.0f + 128.0f));
+#else
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+#endif
   }
   static Acc Zero() { return _mm512_setzero_ps(); }
-  static Acc Madd(Acc acc, Acc w, const float* x) {
-    return _mm512_fmadd_ps(w, _mm512_loadu_ps(x), acc);
+  static Acc Load(const float* x) { return _mm512_loadu_ps(x); }
+  static Acc Madd(Acc acc, Acc w, Acc x) { return _mm512_fmadd_ps(w, x, acc); }
+  static Acc Scale(Acc acc, Acc sum, float scale) {
+    return _mm512_fmadd_ps(sum, _mm512_set1_ps(scale), acc);
   }
+  static Acc Add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
   static float Sum(Acc a) { return _mm512_reduce_add_ps(a); }
+  static void Prefetch(const void* p) {
+    _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  }
 };
 #else
 struct Lanes {
   struct Acc {
     float lane[kLanes];
   };
-  template <bool kOffsets>
-  static Acc Weights(const int8_t* p, float scale, float offset) {
+  static Acc Widen(const int8_t* p) {
     Acc w;
-    for (int64_t l = 0; l < kLanes; ++l) {
-      w.lane[l] = static_cast<float>(p[l]) * scale;
-      if (kOffsets) w.lane[l] -= offset;
-    }
+    for (int64_t l = 0; l < kLanes; ++l) w.lane[l] = static_cast<float>(p[l]);
     return w;
   }
   static Acc Zero() { return Acc{}; }
-  static Acc Madd(Acc acc, const Acc& w, const float* x) {
-    for (int64_t l = 0; l < kLanes; ++l) acc.lane[l] += w.lane[l] * x[l];
+  static Acc Load(const float* x) {
+    Acc a;
+    std::memcpy(a.lane, x, sizeof(a.lane));
+    return a;
+  }
+  static Acc Madd(Acc acc, const Acc& w, const Acc& x) {
+    for (int64_t l = 0; l < kLanes; ++l) acc.lane[l] += w.lane[l] * x.lane[l];
     return acc;
+  }
+  static Acc Scale(Acc acc, const Acc& sum, float scale) {
+    for (int64_t l = 0; l < kLanes; ++l) acc.lane[l] += sum.lane[l] * scale;
+    return acc;
+  }
+  static Acc Add(Acc a, const Acc& b) {
+    for (int64_t l = 0; l < kLanes; ++l) a.lane[l] += b.lane[l];
+    return a;
   }
   static float Sum(const Acc& a) {
     float sum = 0.0f;
     for (int64_t l = 0; l < kLanes; ++l) sum += a.lane[l];
     return sum;
   }
+  static void Prefetch(const void*) {}
 };
 #endif
 
-// The table in int8 blocks: values [O, I], scales and offsets [O, I / G] (offsets read only
-// where a pass has kOffsets).
+// The table in int8 blocks: values [O, I], scales and offsets [O, I / G] (offsets null where
+// the table has none).
 struct Table {
   const int8_t* values;
   const float* scales;
   const float* offsets;
-  int64_t outputs, inputs, group;
+  int64_t outputs, inputs, group, groups;  // groups = inputs / group
 };
 
-// kTableRows table rows from `first` times kRows rows of x [kRows, I] (f32), into out (row
-// stride O): each 16 weights dequantized once, each 16 of x loaded once for all table rows.
-template <int64_t kRows, int64_t kTableRows, bool kOffsets>
-inline void Tile(const float* x, const Table& t, int64_t first, float* out) {
-  const int64_t i = t.inputs, g = t.group, groups = i / g;
-  Lanes::Acc acc[kTableRows][kRows];
-  for (int64_t r = 0; r < kTableRows; ++r) {
-    for (int64_t b = 0; b < kRows; ++b) acc[r][b] = Lanes::Zero();
+// kRows rows of x: x [kRows, I] (f32) and, with offsets, each row's group sums [kRows, I / G].
+struct Rows {
+  const float* x;
+  const float* group_sums;
+};
+
+// Group n of kTableRows table rows from `first` times kRows rows of x, added into acc: each 16
+// weights widened once, each 16 of x loaded once for all table rows, one scaling per group.
+// kSpans: the group's runs of 16 when known at compile time (GGUF's G = 16 and 32), else 0.
+template <int64_t kRows, int64_t kTableRows, int64_t kSpans>
+__attribute__((always_inline)) inline void Group(const Rows& xs, const Table& t, int64_t first, int64_t n,
+                  Lanes::Acc (&acc)[kTableRows][kRows]) {
+  const int64_t i = t.inputs, spans = kSpans ? kSpans : t.group / kLanes;
+  Lanes::Acc sum[kTableRows][kRows];
+  for (auto& row : sum) {
+    for (auto& s : row) s = Lanes::Zero();
   }
-  for (int64_t n = 0; n < groups; ++n) {
-    float scale[kTableRows], offset[kTableRows];
-    for (int64_t r = 0; r < kTableRows; ++r) {
-      scale[r] = t.scales[(first + r) * groups + n];
-      offset[r] = kOffsets ? t.offsets[(first + r) * groups + n] : 0.0f;
-    }
-    for (int64_t k = n * g; k < (n + 1) * g; k += kLanes) {
-      Lanes::Acc w[kTableRows];
-      for (int64_t r = 0; r < kTableRows; ++r) {
-        w[r] = Lanes::Weights<kOffsets>(t.values + (first + r) * i + k, scale[r], offset[r]);
-      }
-      for (int64_t b = 0; b < kRows; ++b) {
-        for (int64_t r = 0; r < kTableRows; ++r) acc[r][b] = Lanes::Madd(acc[r][b], w[r], x + b * i + k);
-      }
+  for (int64_t span = 0; span < spans; ++span) {
+    const int64_t k = (n * spans + span) * kLanes;
+    Lanes::Acc w[kTableRows];
+    for (int64_t r = 0; r < kTableRows; ++r) w[r] = Lanes::Widen(t.values + (first + r) * i + k);
+    for (int64_t b = 0; b < kRows; ++b) {
+      const Lanes::Acc x = Lanes::Load(xs.x + b * i + k);
+      for (int64_t r = 0; r < kTableRows; ++r) sum[r][b] = Lanes::Madd(sum[r][b], w[r], x);
     }
   }
   for (int64_t r = 0; r < kTableRows; ++r) {
-    for (int64_t b = 0; b < kRows; ++b) out[b * t.outputs + first + r] = Lanes::Sum(acc[r][b]);
+    const float scale = t.scales[(first + r) * t.groups + n];
+    for (int64_t b = 0; b < kRows; ++b) acc[r][b] = Lanes::Scale(acc[r][b], sum[r][b], scale);
   }
 }
 
-// kRows rows of x times every table row: two table rows at a time, then the odd one.
-template <int64_t kRows, bool kOffsets>
-void Pass(const float* x, const Table& t, float* out) {
-  int64_t row = 0;
-  for (; row + 1 < t.outputs; row += 2) Tile<kRows, 2, kOffsets>(x, t, row, out);
-  if (row < t.outputs) Tile<kRows, 1, kOffsets>(x, t, row, out);
+// kTableRows table rows from `first` times kRows rows of x, into out (row stride O): even and
+// odd groups into accumulators of their own, added at the end.
+template <int64_t kRows, int64_t kTableRows, int64_t kSpans, bool kOffsets>
+__attribute__((always_inline)) inline void Tile(const Rows& xs, const Table& t, int64_t first, float* out) {
+  const int64_t groups = t.groups;
+  Lanes::Acc even[kTableRows][kRows], odd[kTableRows][kRows];
+  for (int64_t r = 0; r < kTableRows; ++r) {
+    for (int64_t b = 0; b < kRows; ++b) even[r][b] = odd[r][b] = Lanes::Zero();
+  }
+  int64_t n = 0;
+  for (; n + 1 < groups; n += 2) {
+    Group<kRows, kTableRows, kSpans>(xs, t, first, n, even);
+    Group<kRows, kTableRows, kSpans>(xs, t, first, n + 1, odd);
+  }
+  if (n < groups) Group<kRows, kTableRows, kSpans>(xs, t, first, n, even);
+  for (int64_t r = 0; r < kTableRows; ++r) {
+    for (int64_t b = 0; b < kRows; ++b) {
+      float total = Lanes::Sum(Lanes::Add(even[r][b], odd[r][b]));
+      if (kOffsets) {
+        const float* offsets = t.offsets + (first + r) * groups;
+        const float* sums = xs.group_sums + b * groups;
+        float shift = 0.0f;
+        for (int64_t m = 0; m < groups; ++m) shift += offsets[m] * sums[m];
+        total -= shift;
+      }
+      out[b * t.outputs + first + r] = total;
+    }
+  }
 }
+
+// kRows rows of x times every table row, a tile at a time (the last tile may be smaller),
+// the rows kPrefetchTiles tiles ahead prefetched.
+template <int64_t kRows, int64_t kSpans, bool kOffsets>
+void Pass(const Rows& xs, const Table& t, float* out) {
+  constexpr int64_t kTile = kRows <= 4 ? 2 : 1;  // more x rows leave registers for one table row
+  int64_t row = 0;
+  for (; row + kTile <= t.outputs; row += kTile) {
+    // Written out here: GCC deletes a call of a function that only prefetches (no effects).
+    const int64_t ahead = row + kPrefetchTiles * kTile;
+    for (int64_t r = ahead; r < ahead + kTile && r < t.outputs; ++r) {
+      for (int64_t c = 0; c < t.inputs; c += 64) Lanes::Prefetch(t.values + r * t.inputs + c);
+      Lanes::Prefetch(t.scales + r * t.groups);
+    }
+    Tile<kRows, kTile, kSpans, kOffsets>(xs, t, row, out);
+  }
+  for (; row < t.outputs; ++row) Tile<kRows, 1, kSpans, kOffsets>(xs, t, row, out);
+}
+
+using PassFn = void (*)(const Rows&, const Table&, float*);
+
+// The passes of 1 to kMaxRows rows of x (index: the rows) for groups of kSpans runs of 16.
+template <int64_t kSpans, bool kOffsets>
+constexpr PassFn kPasses[kMaxRows + 1] = {
+    nullptr,
+    Pass<1, kSpans, kOffsets>,
+    Pass<2, kSpans, kOffsets>,
+    Pass<3, kSpans, kOffsets>,
+    Pass<4, kSpans, kOffsets>,
+    Pass<5, kSpans, kOffsets>,
+    Pass<6, kSpans, kOffsets>,
+    Pass<7, kSpans, kOffsets>,
+    Pass<8, kSpans, kOffsets>};
 
 template <bool kOffsets>
-void Passes(const float* x, int64_t rows, const Table& t, float* out) {
-  using PassFn = void (*)(const float*, const Table&, float*);
-  constexpr PassFn kPasses[kMaxRows + 1] = {
-      nullptr,           Pass<1, kOffsets>, Pass<2, kOffsets>, Pass<3, kOffsets>,
-      Pass<4, kOffsets>, Pass<5, kOffsets>, Pass<6, kOffsets>, Pass<7, kOffsets>,
-      Pass<8, kOffsets>};
+void Passes(const float* x, const float* group_sums, int64_t rows, const Table& t, float* out) {
+  // GGUF's group sizes unrolled at compile time (measured: the runtime loop ran ~2x slower).
+  const PassFn* passes = t.group == 32   ? kPasses<2, kOffsets>
+                         : t.group == 16 ? kPasses<1, kOffsets>
+                                         : kPasses<0, kOffsets>;
   for (int64_t first = 0; first < rows; first += kMaxRows) {
     const int64_t n = rows - first < kMaxRows ? rows - first : kMaxRows;
-    kPasses[n](x + first * t.inputs, t, out + first * t.outputs);
+    const Rows xs{x + first * t.inputs, group_sums ? group_sums + first * t.groups : nullptr};
+    passes[n](xs, t, out + first * t.outputs);
   }
 }
 
@@ -175,11 +259,13 @@ ffi::Error BlockGemv(ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S8> values,
   std::vector<float> xs(rows * i);
   for (int64_t k = 0; k < rows * i; ++k) xs[k] = Bf16ToF32(raw[k]);
   const Table t{values.typed_data(), scales.typed_data(),
-                has_offsets ? offsets.typed_data() : nullptr, o, i, g};
+                has_offsets ? offsets.typed_data() : nullptr, o, i, g, groups};
   if (has_offsets) {
-    Passes<true>(xs.data(), rows, t, out->typed_data());
+    std::vector<float> group_sums(rows * groups, 0.0f);  // each x row's sum over each group
+    for (int64_t k = 0; k < rows * i; ++k) group_sums[k / g] += xs[k];
+    Passes<true>(xs.data(), group_sums.data(), rows, t, out->typed_data());
   } else {
-    Passes<false>(xs.data(), rows, t, out->typed_data());
+    Passes<false>(xs.data(), nullptr, rows, t, out->typed_data());
   }
   return ffi::Error::Success();
 }

@@ -17,12 +17,13 @@ Elsewhere (TPU, GPU), with `EQUARX_SERVE_NATIVE_KERNELS=0`, where the compiler f
 group size that is not a multiple of 16, it is `reference`: XLA's f32 dot with the table
 dequantized (`dequantize`).
 
-Numerics: both dequantize each weight to the f32 that gguf.quants' dequantize gives (the
+Numerics: `reference` dequantizes each weight to the f32 that gguf.quants' dequantize gives (the
 checkpoint's exact value for Q8_0, Q5_0 and Q6_K, whose scale times integer is exact in f32;
-Q4_K's minimum is subtracted in f32 as gguf does), multiply it by x (bf16, widened) and sum in
-f32, each in its own order: the two differ from each other, and from the exact (f64) product
-of x and the dequantized table, in the last bits of the f32 sums (tested against that exact
-product).
+Q4_K's minimum is subtracted in f32 as gguf does) and sums its products with x (bf16, widened)
+in f32; the kernel sums each group's integer-valued weights times x first and scales the sum
+once (the minima's part from the group sums of x: `block_gemv.cc`). The two differ from each
+other, and from the exact (f64) product of x and the dequantized table, in the last bits of the
+f32 sums (tested against that exact product).
 """
 
 from __future__ import annotations
