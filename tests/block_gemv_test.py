@@ -3,6 +3,8 @@ product of x and the dequantized table, and its reference."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,16 +58,50 @@ def _check_close_to_exact(got, x, values, scales, offsets):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 17])
-@pytest.mark.parametrize(("group", "groups"), [(32, 20), (16, 40), (32, 1), (16, 3)])
+@pytest.mark.parametrize(("group", "groups"), [(32, 20), (16, 40), (32, 1), (16, 3), (48, 5)])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_matmul_equals_the_exact_product(rows, group, groups, offsets):
-    """Every row count (several passes above 8), both group sizes the GGUF types use, an odd
-    number of groups (the even/odd totals' tail), with and without offsets."""
+    """Every row count (several passes above 8), both group sizes the GGUF types use (unrolled)
+    and one they do not (48: the loop over runs of 16), an odd number of groups (the even/odd
+    totals' tail), with and without offsets."""
     x, values, scales, mins = _operands(rows, group * groups, 37, group, offsets=offsets)
     got = np.asarray(jax.jit(block_gemv.matmul)(x, values, scales, mins))
     _check_close_to_exact(got, x, values, scales, mins)
     ref = np.asarray(jax.jit(block_gemv.reference)(x, values, scales, mins))
     _check_close_to_exact(ref, x, values, scales, mins)
+
+
+# The kernel's other ways to widen int8, built here with the CPU features they stand in for
+# switched off (a CI machine may have any of them).
+NARROWER_BUILDS = {"avx512f-without-vbmi": ("-mno-avx512vbmi",), "plain-loops": ("-mno-avx512f",)}
+
+
+@pytest.fixture(scope="module", params=sorted(NARROWER_BUILDS))
+def narrower_target(request) -> str:
+    """The kernel compiled without some of this CPU's features, registered as a target of its
+    own."""
+    kernel = dataclasses.replace(
+        block_gemv.KERNEL,
+        target=f"{block_gemv.KERNEL.target}_{request.param.replace('-', '_')}",
+        extra_flags=NARROWER_BUILDS[request.param],
+    )
+    if not native.register(kernel):
+        pytest.skip(f"the {request.param} build of the kernel failed")
+    return kernel.target
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize(("group", "groups"), [(32, 7), (16, 5), (48, 3)])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_builds_for_narrower_cpus_equal_the_exact_product(
+    narrower_target, rows, group, groups, offsets
+):
+    x, values, scales, mins = _operands(rows, group * groups, 21, group, offsets=offsets)
+    out = jax.ShapeDtypeStruct((rows, values.shape[0]), jnp.float32)
+    empty = jnp.zeros((0,), jnp.float32)
+    call = jax.ffi.ffi_call(narrower_target, out)
+    got = np.asarray(jax.jit(call)(x, values, scales, empty if mins is None else mins))
+    _check_close_to_exact(got, x, values, scales, mins)
 
 
 def test_extreme_values_stay_exact_products():
