@@ -166,3 +166,33 @@ def test_real_270m_greedy_on_the_gguf_blocks_stays_on_the_bf16_model_s_choices()
     assert {c.finish_reason for c in completions} == {"length"}
     assert np.mean(gaps == 0) >= 0.9 and gaps.max() <= 1.0
     assert completions[0].text.startswith(" jumps over the lazy dog.")
+
+
+def test_real_270m_auto_weights_decode_one_row_on_the_gguf_blocks_and_more_on_bf16():
+    """`weights="auto"`: a step of `AUTO_GGUF_DECODE_MAX_ROWS` rows runs the block kernel, a
+    larger one the bf16 weights (no block kernel in its program, no blocks among its
+    parameters); both give the bf16 model's choices as the gguf test above asks."""
+    from equarx_serve.generation.prefill import AUTO_GGUF_DECODE_MAX_ROWS
+    from equarx_serve.generation.runner import DeviceRunner
+    from equarx_serve.kernels import block_gemv
+    from models.gemma3 import BLOCKS
+
+    if not block_gemv.native_available():
+        pytest.skip("no C++ compiler: the kernel cannot be built")
+    mesh_of(2)
+    engine = PrefillEngine.from_name("gemma3-270m", 2, "psum", max_length=256, weights="auto")
+    assert engine.weights == engine.info["weights"] == "auto"
+    runner = DeviceRunner(engine)
+    small, large = AUTO_GGUF_DECODE_MAX_ROWS, AUTO_GGUF_DECODE_MAX_ROWS + 1
+    assert block_gemv.KERNEL.target in runner.decode_program(small, 64).hlo_text()
+    assert block_gemv.KERNEL.target not in runner.decode_program(large, 64).hlo_text()
+    assert BLOCKS in engine.decoder(small)[1] and BLOCKS not in engine.decoder(large)[1]
+    prompts = [ids for _, ids in REAL_PROMPTS[:large]]
+    for batch in (prompts[:small], prompts):
+        completions = Generator(engine, max_batch=len(batch)).generate(
+            batch, SamplingParams(max_tokens=8)
+        )
+        gaps = np.concatenate(
+            [_top_gaps(engine, p, c.tokens) for p, c in zip(batch, completions, strict=True)]
+        )
+        assert np.mean(gaps == 0) >= 0.9 and gaps.max() <= 1.0

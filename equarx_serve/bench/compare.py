@@ -71,7 +71,6 @@ from equarx_serve.distributed.devices import set_host_device_count
 from equarx_serve.generation.model_args import (
     add_model_arguments,
     check_model_arguments,
-    resolved_weights,
 )
 from models.config import GGUF_MODEL
 
@@ -300,7 +299,11 @@ class ProjectSide:
         self.generators = {b: Generator(engine, max_batch=b) for b in batches}
         self.tokenizer = self.generators[batches[0]].tokenizer
         dtype = engine.dtype.name if hasattr(engine.dtype, "name") else str(engine.dtype)
-        weights = "" if engine.weights == "bf16" else ", decode on the GGUF's blocks"
+        weights = {
+            "bf16": "",
+            "gguf": ", decode on the GGUF's blocks",
+            "auto": ", decode on the GGUF's blocks at 1 row",
+        }[engine.weights]
         self.name = f"this project (TP={engine.tp}, {dtype}, {engine.all_reduce.name}{weights})"
 
     def generator(self, batch: int) -> Any:
@@ -755,7 +758,7 @@ def config_from_args(args: argparse.Namespace) -> CompareConfig:
         tp=args.tp,
         all_reduce=args.all_reduce,
         dtype=args.dtype,
-        weights=resolved_weights(args),
+        weights=args.weights,
         checkpoint=args.checkpoint,
         tokenizer=args.tokenizer,
         seq_lens=tuple(sorted(set(args.seq_lens))),

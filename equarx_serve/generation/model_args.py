@@ -17,8 +17,9 @@ DEFAULT_MODEL = "gemma3-270m"
 DEFAULT_ALL_REDUCE = "equarx-int8"
 DEFAULT_TP = 2
 DTYPES = ("bfloat16", "float32")
-WEIGHTS = ("bf16", "gguf")  # generation.prefill.WEIGHTS (no JAX at import)
-# "auto": the GGUF's blocks where the weights come from one (the packaged 270M), else bf16.
+WEIGHTS = ("bf16", "gguf")  # generation.prefill.WEIGHTS but AUTO (no JAX at import)
+# "auto": the GGUF's blocks for decode steps of one row where the weights come from one (the
+# packaged 270M), else bf16 (generation.prefill.AUTO_GGUF_DECODE_MAX_ROWS).
 # Measured on the 270M, TP = 2 (docs/benchmarks.md): faster decode at batch 1, closer to the
 # exact checkpoint than the bf16 decode, and a served single stream at `generate`'s rate.
 AUTO = "auto"
@@ -59,8 +60,9 @@ def add_model_arguments(
         choices=(AUTO, *WEIGHTS),
         default=weights,
         help="decode steps on the checkpoint widened to bf16, or on the GGUF file's own "
-        "quantized blocks (int8 form; the real 270M only); auto: gguf where the weights come "
-        "from the GGUF (default: %(default)s)",
+        "quantized blocks (int8 form; the real 270M only); auto: the blocks for steps of one "
+        "row where the weights come from the GGUF, bf16 for larger steps and elsewhere "
+        "(default: %(default)s)",
     )
     group.add_argument("--checkpoint", type=Path, metavar="PATH", help="orbax checkpoint folder")
     group.add_argument("--tokenizer", type=Path, metavar="PATH", help="its tokenizer.model")
@@ -122,7 +124,7 @@ def engine_from_args(args: argparse.Namespace, *, max_length: int) -> Any:
             tokenizer=args.tokenizer,
             max_length=max_length,
             dtype=jnp.dtype(args.dtype),
-            weights=resolved_weights(args),
+            weights=args.weights,
             overlap_chunks=args.overlap_chunks,
         )
     except ValueError as e:

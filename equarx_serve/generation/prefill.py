@@ -39,7 +39,13 @@ from models.gemma3 import AXIS, BLOCKS, TensorParallelGemma3, init_params, mask_
 MIN_BUCKET = 16
 # The decode weights (`PrefillEngine.from_name`): the checkpoint's widened to bf16, or the GGUF
 # file's own quantized blocks.
-WEIGHTS = ("bf16", "gguf")
+WEIGHTS = ("bf16", "gguf", "auto")
+# weights "auto": decode steps of at most this many rows on the GGUF's blocks, larger ones on
+# the bf16 weights. Measured (`bench compare --batches 1 8` with --weights gguf and bf16, and
+# `Generator` at 1, 2, 3, 4, 6 and 8 rows on both, interleaved; docs/decisions.md): the blocks
+# are faster at 1 row (46.6 vs 34.6 tokens/s), bf16 from 2 rows on (66.4 vs 57.3; 8 rows 188.9
+# vs 126.9), where the int8 kernel is bound by its f32 FMAs and the bf16 one is not.
+AUTO_GGUF_DECODE_MAX_ROWS = 1
 INIT_SEED = 0  # random-init configs: init_params(config, PRNGKey(INIT_SEED))
 
 Params = dict[str, Any]
@@ -119,6 +125,8 @@ class PrefillEngine:
       blocks: The decode weights in int8 blocks (`models.gguf.load_gguf_blocks`: a GGUF file's
         own quantized weights), or None: decode steps then run on them (`weights` "gguf"),
         prefill on `params` either way.
+      gguf_decode_max_rows: With `blocks`, only decode steps of at most this many rows run on
+        them, larger ones on `params` (`weights` "auto"); None: every decode step.
     """
 
     def __init__(
@@ -133,6 +141,7 @@ class PrefillEngine:
         max_length: int = DEFAULT_MAX_LENGTH,
         overlap_chunks: int | Literal["auto"] = "auto",
         blocks: Params | None = None,
+        gguf_decode_max_rows: int | None = None,
         _sharded: bool = False,
         _folds: dict[HadamardRotation, Params] | None = None,
     ):
@@ -161,8 +170,10 @@ class PrefillEngine:
         self.all_reduce = self.model.all_reduce
         self.checkpoint_params = params if _sharded else self._shard(params, dtype)
         self.blocks = None if blocks is None else self._place_blocks(blocks)
+        self.gguf_decode_max_rows = gguf_decode_max_rows
         self._folds = {} if _folds is None else _folds  # shared with `with_all_reduce` engines
         self.params = self._model_params()
+        self._bf16_decoder: tuple[TensorParallelGemma3, Params] | None = None
         if self.blocks is not None:
             self.params = {**self.params, BLOCKS: self.blocks}
         self.dtype = jax.tree.leaves(self.params)[0].dtype
@@ -185,8 +196,27 @@ class PrefillEngine:
 
     @property
     def weights(self) -> str:
-        """What the decode steps run on: "gguf" (the GGUF's int8 blocks) or "bf16"."""
-        return "bf16" if self.blocks is None else "gguf"
+        """What the decode steps run on: "gguf" (the GGUF's int8 blocks), "bf16", or "auto"
+        (the blocks up to `gguf_decode_max_rows` rows, bf16 above)."""
+        if self.blocks is None:
+            return "bf16"
+        return "gguf" if self.gguf_decode_max_rows is None else "auto"
+
+    def decoder(self, rows: int) -> tuple[TensorParallelGemma3, Params]:
+        """The model and parameters a decode step of `rows` rows runs on (see `weights`)."""
+        limit = self.gguf_decode_max_rows
+        if self.blocks is None or limit is None or rows <= limit:
+            return self.model, self.params
+        if self._bf16_decoder is None:  # the same model without the blocks (made once)
+            model = TensorParallelGemma3(
+                self.config,
+                self.mesh,
+                self.all_reduce,
+                overlap_chunks=self.model.overlap_chunks,
+            )
+            params = {k: v for k, v in self.params.items() if k != BLOCKS}
+            self._bf16_decoder = model, params
+        return self._bf16_decoder
 
     def _place_blocks(self, blocks: Params) -> Params:
         def place(value, sharding):
@@ -213,7 +243,9 @@ class PrefillEngine:
         `overlap_chunks` if given, else this engine's)."""
         if overlap_chunks is None:
             overlap_chunks = self.model.overlap_chunks
-        return self._sibling(all_reduce, overlap_chunks, self.blocks, dict(self.info))
+        return self._sibling(
+            all_reduce, overlap_chunks, self.blocks, dict(self.info), self.gguf_decode_max_rows
+        )
 
     def with_gguf_blocks(self) -> PrefillEngine:
         """The same model and (already sharded) parameters with the decode steps on the GGUF
@@ -227,7 +259,7 @@ class PrefillEngine:
             raise ValueError("decode on GGUF blocks needs an engine loaded from a GGUF file")
         blocks = load_gguf_blocks_cached(path, sha)
         info = {**self.info, "weights": "gguf"}
-        return self._sibling(self.all_reduce, self.model.overlap_chunks, blocks, info)
+        return self._sibling(self.all_reduce, self.model.overlap_chunks, blocks, info, None)
 
     def _sibling(
         self,
@@ -235,6 +267,7 @@ class PrefillEngine:
         overlap_chunks: int | Literal["auto"],
         blocks: Params | None,
         info: dict[str, Any],
+        gguf_decode_max_rows: int | None,
     ) -> PrefillEngine:
         """An engine on this one's (already sharded) parameters and folds, with these."""
         engine = PrefillEngine(
@@ -246,6 +279,7 @@ class PrefillEngine:
             max_length=self.max_length,
             overlap_chunks=overlap_chunks,
             blocks=blocks,
+            gguf_decode_max_rows=gguf_decode_max_rows,
             _sharded=True,
             _folds=self._folds,
         )
@@ -270,9 +304,15 @@ class PrefillEngine:
         `tokenizer` (its SentencePiece .model), those weights; else "gemma3-270m" loads the
         real weights (`models.cache.load_gemma3_270m`) and other names are random-init
         (`init_params` with seed `INIT_SEED`). `weights` "gguf": decode steps on the GGUF
-        file's own quantized weights (`load_gguf_blocks_cached`; only for the real weights)."""
+        file's own quantized weights (`load_gguf_blocks_cached`; only for the real weights);
+        "auto": those of at most `AUTO_GGUF_DECODE_MAX_ROWS` rows where the weights come from
+        the packaged GGUF, else bf16."""
         if weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+        max_rows = None
+        if weights == "auto":
+            weights = "gguf" if has_gguf_blocks(model, checkpoint) else "bf16"
+            max_rows = AUTO_GGUF_DECODE_MAX_ROWS
         if weights == "gguf" and not has_gguf_blocks(model, checkpoint):
             raise ValueError(
                 "weights 'gguf' decodes on a GGUF file's quantized blocks: only the packaged "
@@ -317,8 +357,9 @@ class PrefillEngine:
             max_length=max_length,
             overlap_chunks=overlap_chunks,
             blocks=blocks,
+            gguf_decode_max_rows=max_rows,
         )
-        info["weights"] = weights
+        info["weights"] = engine.weights
         engine.tokenizer, engine.info = tok, info
         return engine
 

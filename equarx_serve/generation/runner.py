@@ -142,8 +142,9 @@ class DeviceRunner:
             cache = {f"layer_{i}": {"k": kv, "v": kv} for i in range(config.num_layers)}
             ids = jax.ShapeDtypeStruct((rows,), jnp.int32, sharding=self._replicated)
             sampling = sampling_input_shapes(rows, self._replicated)
-            step = engine.model.sampling_decoder(mode, max_k)
-            compiled = step.lower(engine.params, cache, ids, ids, sampling).compile()
+            model, params = engine.decoder(rows)
+            step = model.sampling_decoder(mode, max_k)
+            compiled = step.lower(params, cache, ids, ids, sampling).compile()
             self._decode_programs[key] = CompiledDecode(*key, compiled)
         return self._decode_programs[key]
 
@@ -167,9 +168,10 @@ class DeviceRunner:
         program = self.decode_program(
             len(step.tokens), self.cache.capacity, sampling.mode, sampling.max_k, self.cache.rows
         )
+        _, params = self.engine.decoder(len(step.tokens))
         started = time.perf_counter()
         out = program.compiled(
-            self.engine.params,
+            params,
             self.cache.take(),
             self.place(np.asarray(step.tokens, np.int32)),
             self.place(np.asarray(step.lengths, np.int32)),
