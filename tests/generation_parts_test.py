@@ -156,9 +156,11 @@ def test_a_decode_step_computes_the_caches_first_rows_up_to_the_last_running_slo
         policy.running_decode_shape(8, 8)
 
 
-def test_decode_on_gguf_blocks_runs_one_row_for_one_request():
-    """Every decode matmul a native kernel there: no 2-row padding for XLA's GEMV."""
-    policy = BatchPolicy(types.SimpleNamespace(**vars(fake_engine()), weights="gguf"))
+@pytest.mark.parametrize("weights", ["gguf", "auto"])
+def test_decode_on_gguf_blocks_runs_one_row_for_one_request(weights):
+    """Every decode matmul a native kernel there (and "auto" runs 1-row steps on the blocks):
+    no 2-row padding for XLA's GEMV."""
+    policy = BatchPolicy(types.SimpleNamespace(**vars(fake_engine()), weights=weights))
     rows = [policy.running_decode_shape(last, 8).rows for last in range(8)]
     assert rows == [1, 2, 4, 4, 8, 8, 8, 8]
 

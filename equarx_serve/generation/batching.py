@@ -45,9 +45,10 @@ __all__ = [
 # bucket 128 0.79 vs 0.40 s, 512 1.16 vs 1.70 s, 1024 3.18 vs 3.51 s; so prompts in buckets
 # above MIN_ROWS_MAX_BUCKET are prefilled as 1 row.
 MIN_ROWS = 2
-# Decode steps on the GGUF's int8 blocks (`--weights gguf`) run one row natively (every matmul
-# a native kernel, none an XLA GEMV): one running request decodes 1 row, not 2. The 270M step,
-# TP = 2, a 512-entry cache: 1 row 29.9 ms, 2 rows 48.9 ms (same process, one after another).
+# Decode steps on the GGUF's int8 blocks (`--weights gguf`, and `auto`'s 1-row steps) run one
+# row natively (every matmul a native kernel, none an XLA GEMV): one running request decodes 1
+# row, not 2. The 270M step, TP = 2, a 512-entry cache: 1 row 29.9 ms, 2 rows 48.9 ms (same
+# process, one after another).
 MIN_GGUF_DECODE_ROWS = 1
 MIN_ROWS_MAX_BUCKET = 128
 GATED = "psum (size gate)"  # what `uses` says for a message below the method's size gate
@@ -106,8 +107,9 @@ class BatchPolicy:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        gguf = getattr(engine, "weights", "bf16") == "gguf"
-        self.min_decode_rows = MIN_GGUF_DECODE_ROWS if gguf else MIN_ROWS
+        # "auto" runs 1-row steps on the blocks too (`PrefillEngine.decoder`).
+        blocks_at_one_row = getattr(engine, "weights", "bf16") in ("gguf", "auto")
+        self.min_decode_rows = MIN_GGUF_DECODE_ROWS if blocks_at_one_row else MIN_ROWS
 
     def prefill_shape(self, prompt_lengths: Sequence[int]) -> StepShape:
         """The padded batch of a prefill of prompts of these lengths (ValueError if empty or
