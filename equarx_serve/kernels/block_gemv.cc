@@ -137,8 +137,8 @@ struct Rows {
 // weights widened once, each 16 of x loaded once for all table rows, one scaling per group.
 // kSpans: the group's runs of 16 when known at compile time (GGUF's G = 16 and 32), else 0.
 template <int64_t kRows, int64_t kTableRows, int64_t kSpans>
-__attribute__((always_inline)) inline void Group(const Rows& xs, const Table& t, int64_t first, int64_t n,
-                  Lanes::Acc (&acc)[kTableRows][kRows]) {
+__attribute__((always_inline)) inline void Group(const Rows& xs, const Table& t, int64_t first,
+                                                 int64_t n, Lanes::Acc (&acc)[kTableRows][kRows]) {
   const int64_t i = t.inputs, spans = kSpans ? kSpans : t.group / kLanes;
   Lanes::Acc sum[kTableRows][kRows];
   for (auto& row : sum) {
@@ -162,7 +162,8 @@ __attribute__((always_inline)) inline void Group(const Rows& xs, const Table& t,
 // kTableRows table rows from `first` times kRows rows of x, into out (row stride O): even and
 // odd groups into accumulators of their own, added at the end.
 template <int64_t kRows, int64_t kTableRows, int64_t kSpans, bool kOffsets>
-__attribute__((always_inline)) inline void Tile(const Rows& xs, const Table& t, int64_t first, float* out) {
+__attribute__((always_inline)) inline void Tile(const Rows& xs, const Table& t, int64_t first,
+                                                float* out) {
   const int64_t groups = t.groups;
   Lanes::Acc even[kTableRows][kRows], odd[kTableRows][kRows];
   for (int64_t r = 0; r < kTableRows; ++r) {
